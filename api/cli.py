@@ -1,0 +1,134 @@
+"""The `apiary` command: run the service, or the demo a new user starts with."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import uvicorn
+from rich.console import Console
+
+from api.app import create_app
+from api.client import TERMINAL, ApiaryClient, ApiaryClientError
+from api.server import BackgroundServer
+from service.cluster import free_port
+from service.datasets import write_token_dataset
+from service.settings import Settings
+
+app = typer.Typer(
+    help="Apiary: queue and run distributed PyTorch training jobs on Ray.", no_args_is_help=True
+)
+console = Console()
+
+
+def _settings(**overrides: Any) -> Settings:
+    try:
+        return Settings(**{key: value for key, value in overrides.items() if value is not None})
+    except ValueError as err:  # pydantic's ValidationError: a bad APIARY_* variable
+        console.print(f"[red]error:[/] bad configuration: {err}")
+        raise typer.Exit(2) from None
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Interface to listen on [default: 127.0.0.1].")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on [default: 8000].")] = None,
+) -> None:
+    """Start the API, the scheduler and (unless APIARY_RAY_ADDRESS is set) a local Ray."""
+    _configure_logging()
+    settings = _settings(host=host, port=port)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+@app.command()
+def demo(
+    steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 60,
+    workers: Annotated[int, typer.Option(min=1, help="Train workers.")] = 2,
+) -> None:
+    """Write a small token dataset, start Apiary, train a tiny GPT on 2 workers, show progress."""
+    logging.basicConfig(level=logging.WARNING)
+    port = free_port()
+    settings = _settings(port=port)
+    dataset = settings.data_dir / "datasets" / "demo-tokens"
+    console.print(f"[bold]1.[/] writing a synthetic token dataset to {dataset}")
+    write_token_dataset(
+        f"file://{dataset}", num_shards=4, rows_per_shard=512, seq_len=33, vocab_size=64, seed=0
+    )
+    console.print(f"[bold]2.[/] starting Apiary on {settings.resolved_public_url} (SQLite, local Ray)")
+    server = BackgroundServer(create_app(settings), host=settings.host, port=settings.port)
+    server.start()
+    try:
+        code = _run_demo_job(settings.resolved_public_url, dataset=dataset, steps=steps, workers=workers)
+    finally:
+        console.print("stopping Apiary and its local Ray ...")
+        server.stop()
+    raise typer.Exit(code)
+
+
+def _run_demo_job(url: str, *, dataset: Path, steps: int, workers: int) -> int:
+    spec = {
+        "name": "demo-gpt",
+        "queue": "research",
+        "trainer": "gpt",
+        "num_workers": workers,
+        "resources_per_worker": {"CPU": 1},
+        "dataset": {"uri": f"file://{dataset}", "format": "parquet"},
+        "max_steps": steps,
+        "batch_size": 16,
+        "seed": 0,
+        "checkpoint": {"every_steps": max(1, steps // 3)},
+        "config": {
+            "vocab_size": 64,
+            "d_model": 64,
+            "n_layers": 2,
+            "n_heads": 4,
+            "lr": 3e-3,
+            "warmup_steps": 5,
+        },
+    }
+    with ApiaryClient(url, user="demo") as client:
+        job = client.submit(spec)
+        console.print(
+            f"[bold]3.[/] submitted job {job['id']} ({workers} workers, {steps} steps); waiting for Ray"
+        )
+        shown_state, last_step, started = "", -1, time.monotonic()
+        while job["state"] not in TERMINAL:
+            time.sleep(1)
+            job = client.get(job["id"])
+            if job["state"] != shown_state:
+                shown_state = job["state"]
+                console.print(f"    state: [cyan]{shown_state}[/] ({time.monotonic() - started:.0f} s)")
+            points = client.metrics(job["id"], rank=0, min_step=last_step + 1)
+            for point in points[-1:]:
+                last_step = point["step"]
+                values = point["values"]
+                console.print(
+                    f"    step {last_step + 1:>4}/{steps}  loss {values.get('loss', float('nan')):.3f}  "
+                    f"{values.get('samples_per_s', 0):.0f} samples/s"
+                )
+        style = "green" if job["state"] == "succeeded" else "red"
+        console.print(f"[bold]4.[/] job {job['id']} [{style}]{job['state']}[/]", end="")
+        console.print(f": {job['message']}" if job.get("message") else "")
+        if job.get("latest_checkpoint"):
+            console.print(f"    checkpoint: {job['latest_checkpoint']}")
+        return 0 if job["state"] == "succeeded" else 1
+
+
+def main() -> None:
+    try:
+        app()
+    except ApiaryClientError as err:
+        console.print(f"[red]error:[/] {err.message}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

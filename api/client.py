@@ -1,0 +1,109 @@
+"""The Python SDK: a thin, typed client of the REST API.
+
+from api.client import ApiaryClient
+client = ApiaryClient("http://127.0.0.1:8000")
+job = client.submit("job.yaml")          # a path, a dict or a JobSpec
+job = client.wait(job["id"], timeout_s=600)
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from service.spec import JobSpec, parse_spec_text
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class ApiaryClientError(Exception):
+    """The API refused a request; `message` says why, `status_code` is the HTTP status."""
+
+    def __init__(self, message: str, *, status_code: int, body: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.body = body
+
+
+class ApiaryClient:
+    def __init__(
+        self, base_url: str = "http://127.0.0.1:8000", *, user: str | None = None, timeout_s: float = 30
+    ):
+        headers = {"X-Apiary-User": user} if user else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ApiaryClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._http.request(method, path, **kwargs)
+        if response.is_success:
+            return response.json()
+        try:
+            body = response.json()
+            message = body.get("message") or str(body.get("detail"))
+        except ValueError:
+            body, message = response.text, response.text or response.reason_phrase
+        raise ApiaryClientError(message, status_code=response.status_code, body=body)
+
+    def submit(self, spec: JobSpec | dict[str, Any] | str | Path) -> dict[str, Any]:
+        if isinstance(spec, JobSpec):
+            payload: dict[str, Any] = spec.model_dump(mode="json")
+        elif isinstance(spec, dict):
+            payload = spec
+        else:
+            payload = parse_spec_text(Path(spec).read_text())
+        result: dict[str, Any] = self._request("POST", "/jobs", json=payload)
+        return result
+
+    def get(self, job_id: int) -> dict[str, Any]:
+        result: dict[str, Any] = self._request("GET", f"/jobs/{job_id}")
+        return result
+
+    def list_jobs(
+        self, *, state: list[str] | None = None, queue: str | None = None, limit: int = 100
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {"limit": limit}
+        if state:
+            params["state"] = state
+        if queue:
+            params["queue"] = queue
+        result: dict[str, Any] = self._request("GET", "/jobs", params=params)
+        return result
+
+    def cancel(self, job_id: int) -> dict[str, Any]:
+        result: dict[str, Any] = self._request("POST", f"/jobs/{job_id}/cancel")
+        return result
+
+    def events(self, job_id: int) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._request("GET", f"/jobs/{job_id}/events")["data"]
+        return result
+
+    def metrics(self, job_id: int, **filters: int) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._request("GET", f"/jobs/{job_id}/metrics", params=filters)["data"]
+        return result
+
+    def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._request("GET", "/healthz")
+        return result
+
+    def wait(self, job_id: int, *, timeout_s: float = 600, poll_s: float = 1.0) -> dict[str, Any]:
+        """Block until the job ends; TimeoutError (with its last state) if it has not by `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = self.get(job_id)
+            if job["state"] in TERMINAL:
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {job['state']} after {timeout_s:.0f} s")
+            time.sleep(poll_s)

@@ -1,0 +1,69 @@
+"""Public job routes."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, status
+
+from api.deps import JobsDep, OwnerDep, SchedulerDep
+from api.schemas import EventPublic, EventsPublic, JobPublic, JobsPublic, MetricPublic, MetricsPublic
+from service.models import JobState
+from service.spec import JobSpec
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
+def submit_job(spec: JobSpec, jobs: JobsDep, scheduler: SchedulerDep, owner: OwnerDep) -> JobPublic:
+    """Queue a training job. A job that could never run is refused (422 naming the field), unwritten."""
+    job = jobs.submit(spec, owner=owner)
+    scheduler.wake()
+    return JobPublic.build(job)
+
+
+@router.get("", response_model=JobsPublic)
+def list_jobs(
+    jobs: JobsDep,
+    scheduler: SchedulerDep,
+    state: Annotated[list[JobState] | None, Query(description="Repeat to match several states.")] = None,
+    queue: Annotated[str | None, Query()] = None,
+    offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+) -> JobsPublic:
+    found, count = jobs.list_jobs(states=state or (), queue=queue, offset=offset, limit=limit)
+    reasons = scheduler.waiting_reasons
+    return JobsPublic(
+        data=[JobPublic.build(job, waiting_reason=reasons.get(job.id)) for job in found], count=count
+    )
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+def get_job(job_id: int, jobs: JobsDep, scheduler: SchedulerDep) -> JobPublic:
+    return JobPublic.build(jobs.get_job(job_id), waiting_reason=scheduler.waiting_reasons.get(job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic)
+def cancel_job(job_id: int, jobs: JobsDep) -> JobPublic:
+    """Cancel a queued or running job (a running one's Ray job is stopped). 409 if it already ended."""
+    return JobPublic.build(jobs.cancel(job_id))
+
+
+@router.get("/{job_id}/events", response_model=EventsPublic)
+def list_events(job_id: int, jobs: JobsDep) -> EventsPublic:
+    events = jobs.list_events(job_id)
+    return EventsPublic(data=[EventPublic.build(event) for event in events], count=len(events))
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsPublic)
+def list_metrics(
+    job_id: int,
+    jobs: JobsDep,
+    rank: Annotated[int | None, Query(ge=0)] = None,
+    min_step: Annotated[int | None, Query(ge=0)] = None,
+    max_step: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+) -> MetricsPublic:
+    """Every stored point (step, rank, attempt, time, values), ordered by step then rank."""
+    points = jobs.list_metrics(job_id, rank=rank, min_step=min_step, max_step=max_step, limit=limit)
+    return MetricsPublic(data=[MetricPublic.build(point) for point in points], count=len(points))

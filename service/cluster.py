@@ -1,0 +1,337 @@
+"""Ray, as the service sees it: a cluster to start or join, capacity to read, jobs to submit.
+
+`RayBackend` talks to any Ray cluster through its dashboard's HTTP APIs (Jobs API
+and State API), so the service never becomes a Ray driver itself. `LocalRay`
+starts the embedded default: `ray start --head --block` as its own process
+group, with explicit free ports (Redis may hold 6379), its temp folder under the
+data dir and more logical CPUs than cores (so Ray Data's read tasks run beside
+the train workers). It outlives a crash of the service (a restarted service
+finds it again through `ray_cluster.json`) and stops on a clean shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+from service.errors import ClusterUnavailable
+from service.policy import ClusterSnapshot, NodeCapacity
+
+logger = logging.getLogger(__name__)
+
+ERROR_PREFIX = "apiary-error:"
+
+
+class RayJobStatus(StrEnum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    MISSING = "MISSING"  # the cluster does not know the submission (e.g. it was restarted)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (
+            RayJobStatus.STOPPED,
+            RayJobStatus.SUCCEEDED,
+            RayJobStatus.FAILED,
+            RayJobStatus.MISSING,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RayJobInfo:
+    status: RayJobStatus
+    message: str = ""
+
+
+class ClusterBackend(Protocol):
+    """What the scheduler needs from a cluster. `RayBackend` is the real one."""
+
+    def snapshot(self) -> ClusterSnapshot: ...
+
+    def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None: ...
+
+    def job_info(self, submission_id: str) -> RayJobInfo: ...
+
+    def job_logs(self, submission_id: str) -> str: ...
+
+    def stop(self, submission_id: str) -> None: ...
+
+
+class RayBackend:
+    def __init__(self, dashboard_url: str) -> None:
+        from ray.job_submission import JobSubmissionClient
+
+        self.dashboard_url = dashboard_url.rstrip("/")
+        try:
+            self._jobs = JobSubmissionClient(self.dashboard_url)
+        except Exception as err:  # Ray raises plain exceptions (ConnectionError, RuntimeError)
+            raise ClusterUnavailable(
+                f"cannot reach the Ray dashboard at {self.dashboard_url}: {err}"
+            ) from err
+
+    def snapshot(self) -> ClusterSnapshot:
+        from ray.util.state import list_nodes
+
+        try:
+            nodes = list_nodes(address=self.dashboard_url, detail=True, raise_on_missing_output=False)
+        except Exception as err:
+            raise ClusterUnavailable(f"cannot list Ray nodes at {self.dashboard_url}: {err}") from err
+        return ClusterSnapshot(
+            nodes=tuple(
+                NodeCapacity(node_id=node.node_id, resources=_schedulable(node.resources_total or {}))
+                for node in nodes
+                if node.state == "ALIVE"
+            )
+        )
+
+    def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
+        # The driver takes no CPU: the gang's resources are the workers' and Ray Data's.
+        self._jobs.submit_job(
+            entrypoint=entrypoint,
+            submission_id=submission_id,
+            runtime_env={"env_vars": env_vars},
+            entrypoint_num_cpus=0,
+        )
+
+    def job_info(self, submission_id: str) -> RayJobInfo:
+        try:
+            info = self._jobs.get_job_info(submission_id)
+        except RuntimeError as err:
+            if "does not exist" in str(err) or "404" in str(err):
+                return RayJobInfo(status=RayJobStatus.MISSING, message=str(err))
+            raise ClusterUnavailable(f"cannot read Ray job {submission_id}: {err}") from err
+        except Exception as err:
+            raise ClusterUnavailable(f"cannot read Ray job {submission_id}: {err}") from err
+        return RayJobInfo(status=RayJobStatus(str(info.status)), message=info.message or "")
+
+    def job_logs(self, submission_id: str) -> str:
+        try:
+            return str(self._jobs.get_job_logs(submission_id))
+        except Exception as err:
+            logger.warning("cannot read logs of Ray job %s: %s", submission_id, err)
+            return ""
+
+    def stop(self, submission_id: str) -> None:
+        try:
+            self._jobs.stop_job(submission_id)
+        except Exception as err:
+            raise ClusterUnavailable(f"cannot stop Ray job {submission_id}: {err}") from err
+
+
+def _schedulable(resources: dict[str, float]) -> dict[str, float]:
+    # Ray's bookkeeping resources (node:<ip>, memory, object store) are not what jobs ask for.
+    return {
+        key: value
+        for key, value in resources.items()
+        if not key.startswith("node:") and key not in ("memory", "object_store_memory")
+    }
+
+
+def failure_reason(logs: str, fallback: str) -> str:
+    """The trainer's last `apiary-error:` line, else the last exception line, else Ray's message."""
+    lines = [line.strip() for line in logs.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith(ERROR_PREFIX):
+            return line.removeprefix(ERROR_PREFIX).strip()
+    for line in reversed(lines):
+        if re.match(r"^[A-Za-z_.]*(Error|Exception)\b.*:", line):
+            return line[:500]
+    return fallback or "the Ray job failed without a message"
+
+
+def trainer_entrypoint() -> str:
+    """The launch command, with the interpreter of Apiary's own environment (not the raylet's PATH)."""
+    return f"{sys.executable} -m trainers.launch"
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded local Ray
+
+
+_PORT_FLAGS = (
+    "port",
+    "dashboard-port",
+    "ray-client-server-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "runtime-env-agent-port",
+    "metrics-export-port",
+    "node-manager-port",
+    "object-manager-port",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalRay:
+    """A local Ray head started by the service; `state_file` lets a restarted service find it."""
+
+    pid: int
+    gcs_address: str
+    dashboard_url: str
+    temp_dir: str
+    state_file: Path
+
+    @classmethod
+    def start_or_reuse(cls, *, data_dir: Path, num_cpus: int, timeout_s: float = 90) -> LocalRay:
+        state_file = data_dir / "ray_cluster.json"
+        existing = cls._load(state_file)
+        if existing is not None and existing.is_alive():
+            logger.info(
+                "reusing local Ray at %s (pid %s)",
+                existing.dashboard_url,
+                existing.pid,
+                extra={"action": "ray_reused"},
+            )
+            return existing
+        return cls._start(data_dir=data_dir, state_file=state_file, num_cpus=num_cpus, timeout_s=timeout_s)
+
+    @classmethod
+    def _start(cls, *, data_dir: Path, state_file: Path, num_cpus: int, timeout_s: float) -> LocalRay:
+        ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
+        if ray_bin is None:
+            raise ClusterUnavailable("the `ray` command is not installed in Apiary's environment")
+        ports = {flag: free_port() for flag in _PORT_FLAGS}
+        temp_dir = _short_temp_dir(data_dir)
+        log_path = data_dir / "ray.log"
+        command = [
+            ray_bin,
+            "start",
+            "--head",
+            "--block",
+            f"--num-cpus={num_cpus}",
+            "--dashboard-host=127.0.0.1",
+            "--include-dashboard=true",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+            *[f"--{flag}={port}" for flag, port in ports.items()],
+        ]
+        data_dir.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: it survives a crash of the service
+            )
+        cluster = cls(
+            pid=process.pid,
+            gcs_address=f"127.0.0.1:{ports['port']}",
+            dashboard_url=f"http://127.0.0.1:{ports['dashboard-port']}",
+            temp_dir=str(temp_dir),
+            state_file=state_file,
+        )
+        deadline = time.monotonic() + timeout_s
+        while not cluster._dashboard_ready():
+            if process.poll() is not None:
+                raise ClusterUnavailable(f"local Ray exited with {process.returncode}; see {log_path}")
+            if time.monotonic() > deadline:
+                cluster.stop()
+                raise ClusterUnavailable(f"local Ray did not start within {timeout_s:.0f} s; see {log_path}")
+            time.sleep(0.3)
+        state_file.write_text(
+            json.dumps(
+                {
+                    "pid": cluster.pid,
+                    "gcs_address": cluster.gcs_address,
+                    "dashboard_url": cluster.dashboard_url,
+                    "temp_dir": cluster.temp_dir,
+                }
+            )
+        )
+        logger.info(
+            "started local Ray at %s (pid %s, %s CPUs)",
+            cluster.dashboard_url,
+            cluster.pid,
+            num_cpus,
+            extra={"action": "ray_started"},
+        )
+        return cluster
+
+    @classmethod
+    def _load(cls, state_file: Path) -> LocalRay | None:
+        try:
+            data = json.loads(state_file.read_text())
+            return cls(
+                pid=int(data["pid"]),
+                gcs_address=data["gcs_address"],
+                dashboard_url=data["dashboard_url"],
+                temp_dir=data["temp_dir"],
+                state_file=state_file,
+            )
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def _dashboard_ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.dashboard_url}/api/version", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def is_alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except OSError:
+            return False
+        return self._dashboard_ready()
+
+    def stop(self, timeout_s: float = 40) -> None:
+        """Stop this cluster only (never `ray stop`, which stops every Ray on the machine)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)  # `ray start --block` drains, then stops its processes
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and _pid_running(self.pid):
+                time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)  # whatever of the group is left (workers, agents)
+        with contextlib.suppress(FileNotFoundError):
+            self.state_file.unlink()
+        logger.info("stopped local Ray (pid %s)", self.pid, extra={"action": "ray_stopped"})
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass  # not our child (a restarted service): fall back to a signal probe
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def _short_temp_dir(data_dir: Path) -> Path:
+    # Ray puts unix sockets under its temp dir; their paths must stay under ~107 bytes.
+    preferred = data_dir / "ray"
+    if len(str(preferred)) <= 60:
+        return preferred
+    digest = hashlib.sha1(str(data_dir).encode()).hexdigest()[:10]
+    return Path("/tmp") / f"apiary-ray-{digest}"

@@ -1,0 +1,74 @@
+"""Engine, sessions and migrations. Repository code takes a Session; callers own the transaction."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+import migrations
+
+logger = logging.getLogger(__name__)
+
+MIGRATIONS_DIR = Path(migrations.__file__).parent
+
+
+def build_engine(url: str) -> Engine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
+        url = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    return create_engine(url, pool_pre_ping=True)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    # WAL lets the API read while the scheduler writes; foreign keys are off by default in SQLite.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def alembic_config(engine: Engine) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["engine"] = engine
+    return config
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Bring the database schema to `revision` (the service does this at start)."""
+    command.upgrade(alembic_config(engine), revision)
+    logger.info("database upgraded", extra={"action": "db_upgraded", "revision": revision})
+
+
+class Database:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = build_engine(url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """One unit of work: commits on success, rolls back on any error."""
+        with self._sessions() as session, session.begin():
+            yield session
+
+    def upgrade(self) -> None:
+        upgrade(self.engine)
+
+    def dispose(self) -> None:
+        self.engine.dispose()

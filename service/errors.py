@@ -1,0 +1,36 @@
+"""Domain errors. The API maps each class to one HTTP status, once (api/errors.py)."""
+
+from __future__ import annotations
+
+
+class ApiaryError(Exception):
+    """Something went wrong in Apiary."""
+
+    def __init__(self, message: str | None = None, *, field: str | None = None) -> None:
+        self.message = message or (self.__doc__ or "").strip()
+        self.field = field
+        super().__init__(self.message)
+
+
+class JobNotFound(ApiaryError):
+    """No job has this id."""
+
+
+class InvalidSpec(ApiaryError):
+    """The job spec cannot run as written."""
+
+
+class Unschedulable(InvalidSpec):
+    """The job asks for more than the cluster could ever hold."""
+
+
+class DatasetNotFound(InvalidSpec):
+    """The dataset URI does not point at any readable shards."""
+
+
+class InvalidTransition(ApiaryError):
+    """The job cannot move to that state from where it is."""
+
+
+class ClusterUnavailable(ApiaryError):
+    """The Ray cluster cannot be reached right now; try again shortly."""

@@ -1,0 +1,137 @@
+"""Database tables: jobs, their event history, and their per-step metrics."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# Named constraints, so that migrations on SQLite and PostgreSQL agree on names.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+def _state_enum(name: str) -> Enum:
+    # A CHECK constraint rather than a native enum: the same migration works on
+    # SQLite and PostgreSQL, and adding a state later is one constraint swap.
+    return Enum(
+        JobState,
+        name=name,
+        native_enum=False,
+        create_constraint=True,
+        length=16,
+        values_callable=lambda states: [state.value for state in states],
+        validate_strings=True,
+    )
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    queue: Mapped[str] = mapped_column(String(32))
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    owner: Mapped[str] = mapped_column(String(128))
+    state: Mapped[JobState] = mapped_column(_state_enum("job_state"), default=JobState.QUEUED)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    ray_submission_id: Mapped[str | None] = mapped_column(String(128))
+    latest_checkpoint: Mapped[str | None] = mapped_column(Text)
+    latest_checkpoint_step: Mapped[int | None] = mapped_column(Integer)
+    message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+    admitted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    events: Mapped[list[JobEvent]] = relationship(
+        back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan"
+    )
+
+    __table_args__ = (
+        Index("ix_jobs_state_queue_priority", "state", "queue", "priority"),
+        Index("ix_jobs_ray_submission_id", "ray_submission_id", unique=True),
+    )
+
+
+class JobEvent(Base):
+    """One state transition (or notable fact) of a job: who did what, and why."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    from_state: Mapped[JobState | None] = mapped_column(_state_enum("job_event_from_state"))
+    to_state: Mapped[JobState | None] = mapped_column(_state_enum("job_event_to_state"))
+    actor: Mapped[str] = mapped_column(String(32))
+    reason: Mapped[str] = mapped_column(Text)
+
+    job: Mapped[Job] = relationship(back_populates="events")
+
+
+class Metric(Base):
+    """One rank's values at one step of one attempt."""
+
+    __tablename__ = "metrics"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    time: Mapped[float] = mapped_column(Float)
+    values: Mapped[dict[str, float]] = mapped_column(JSON)
+
+    __table_args__ = (
+        # A trainer re-posts a batch whose answer it lost: the same point twice is one row.
+        UniqueConstraint("job_id", "attempt", "rank", "step", name="uq_metrics_point"),
+        Index("ix_metrics_job_step", "job_id", "step"),
+    )

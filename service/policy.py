@@ -1,0 +1,140 @@
+"""Admission policy: a pure function from (cluster, queued, active, now) to decisions.
+
+No I/O here. The scheduler loop (service/scheduler.py) reads the database and
+the cluster, calls `decide`, and carries the decisions out; a simulator can call
+the same function on a trace.
+
+Glossary:
+- gang: a job's whole worker group (`num_workers` bundles of
+  `resources_per_worker`) plus its `extra` (Ray Data's CPUs). It is admitted all
+  at once or not at all.
+- capacity: each alive node's total schedulable resources. Free capacity is
+  capacity minus the gangs of active (admitted or running) jobs, placed
+  first-fit node by node, so a gang that fits the cluster's sum but no node
+  layout is not admitted.
+
+This first policy is strict priority order (priority, then age): when the head
+of the line does not fit, everything behind it waits, so a big job is never
+starved by a stream of small ones. The two-queue scheduler (guaranteed shares,
+borrowing, reservations with backfill, preemption) replaces it behind the same
+signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+EPSILON = 1e-9
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCapacity:
+    node_id: str
+    resources: Mapping[str, float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSnapshot:
+    nodes: tuple[NodeCapacity, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gang:
+    job_id: int
+    queue: str
+    priority: int
+    num_workers: int
+    per_worker: Mapping[str, float]
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+    def bundles(self) -> list[Mapping[str, float]]:
+        bundles = [self.per_worker] * self.num_workers
+        return [*bundles, self.extra] if any(self.extra.values()) else bundles
+
+    def total(self) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for bundle in self.bundles():
+            for key, amount in bundle.items():
+                total[key] = total.get(key, 0.0) + amount
+        return total
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decisions:
+    admit: tuple[int, ...]
+    waiting: Mapping[int, str]  # job id -> why it waits
+
+
+def decide(
+    *,
+    cluster: ClusterSnapshot,
+    queued: Sequence[Gang],
+    active: Sequence[Gang],
+    now: float,
+) -> Decisions:
+    """Admit queued gangs, in the given order, while each fits the free capacity."""
+    del now  # the first policy is time-independent; the signature is the interface
+    free = [dict(node.resources) for node in cluster.nodes]
+    for gang in active:
+        # Active gangs were admitted when they fitted; place them as Ray would have (best effort).
+        _place(free, gang, allow_partial=True)
+    admitted: list[int] = []
+    waiting: dict[int, str] = {}
+    blocked_by: Gang | None = None
+    for position, gang in enumerate(queued):
+        if blocked_by is not None:
+            waiting[gang.job_id] = (
+                f"waiting behind job {blocked_by.job_id} (higher priority or older); {position} job(s) ahead"
+            )
+            continue
+        if _place(free, gang, allow_partial=False):
+            admitted.append(gang.job_id)
+            continue
+        blocked_by = gang
+        waiting[gang.job_id] = f"needs {_fmt(gang.total())}; free now {_fmt(_sum(free))}"
+    return Decisions(admit=tuple(admitted), waiting=waiting)
+
+
+def fits_empty_cluster(cluster: ClusterSnapshot, gang: Gang) -> bool:
+    """Could this gang ever run here, with nothing else running?"""
+    return _place([dict(node.resources) for node in cluster.nodes], gang, allow_partial=False)
+
+
+def capacity_text(cluster: ClusterSnapshot) -> str:
+    return f"{len(cluster.nodes)} node(s) with {_fmt(_sum([dict(n.resources) for n in cluster.nodes]))}"
+
+
+def _place(free: list[dict[str, float]], gang: Gang, *, allow_partial: bool) -> bool:
+    """First-fit every bundle of the gang; on failure undo (unless partial placement is allowed)."""
+    taken: list[tuple[int, Mapping[str, float]]] = []
+    for bundle in gang.bundles():
+        node_index = next((i for i, node in enumerate(free) if _fits(node, bundle)), None)
+        if node_index is None:
+            if allow_partial:
+                continue
+            for index, undo in taken:
+                for key, amount in undo.items():
+                    free[index][key] += amount
+            return False
+        for key, amount in bundle.items():
+            free[node_index][key] = free[node_index].get(key, 0.0) - amount
+        taken.append((node_index, bundle))
+    return True
+
+
+def _fits(node: Mapping[str, float], bundle: Mapping[str, float]) -> bool:
+    return all(node.get(key, 0.0) + EPSILON >= amount for key, amount in bundle.items() if amount > 0)
+
+
+def _sum(nodes: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for node in nodes:
+        for key, amount in node.items():
+            total[key] = total.get(key, 0.0) + amount
+    return total
+
+
+def _fmt(resources: Mapping[str, float]) -> str:
+    parts = [f"{amount:g} {key}" for key, amount in sorted(resources.items()) if abs(amount) > EPSILON]
+    return ", ".join(parts) or "nothing"

@@ -1,0 +1,56 @@
+"""One `Settings`, read from the environment (prefix `APIARY_`), validated at start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="APIARY_", extra="ignore")
+
+    data_dir: Path = Field(default=Path("./.apiary"), description="Everything local Apiary writes.")
+    database_url: str | None = Field(default=None, description="Default: sqlite:///{data_dir}/apiary.db")
+    ray_address: str | None = Field(
+        default=None,
+        description="Dashboard URL (http://host:8265) of an existing Ray cluster; default: a local one.",
+    )
+    storage_uri: str | None = Field(
+        default=None, description="Checkpoint root; default {data_dir}/checkpoints."
+    )
+    s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, moto).")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    public_url: str | None = Field(
+        default=None, description="How trainers reach this API; default http://{host}:{port}."
+    )
+
+    local_ray_cpus: int = Field(
+        default=8,
+        ge=1,
+        description="Logical CPUs of the local Ray: more than cores, so Ray Data's tasks run beside workers.",
+    )
+    data_cpus_per_job: float = Field(
+        default=1.0, gt=0, description="CPUs reserved per job for its Ray Data tasks (part of its gang)."
+    )
+    scheduler_interval_s: float = Field(default=1.0, gt=0)
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute(cls, data_dir: Path) -> Path:
+        return data_dir.expanduser().resolve()
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'apiary.db'}"
+
+    @property
+    def resolved_storage_uri(self) -> str:
+        return self.storage_uri or str(self.data_dir / "checkpoints")
+
+    @property
+    def resolved_public_url(self) -> str:
+        return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")

@@ -1,0 +1,239 @@
+"""The job spec: the one schema that the API, the service and the trainers share.
+
+A spec that the API accepts is exactly what the trainer runs. This module must
+stay importable without SQLAlchemy, FastAPI or Ray: the trainer imports it on
+the cluster.
+
+Besides the user's `JobSpec`, two wire formats live here because both sides of
+the service/trainer boundary need them:
+
+- `LaunchRequest`: what the service hands the trainer's entrypoint
+  (`python -m trainers.launch`) through the environment variable
+  `APIARY_LAUNCH` of the Ray job.
+- `ReportBatch`: what a trainer rank posts back to the control plane
+  (per-step metric points and the latest checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+LAUNCH_ENV_VAR = "APIARY_LAUNCH"
+
+BUILTIN_TRAINERS = ("mlp", "gpt")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_RESOURCE = re.compile(r"^[A-Za-z_][A-Za-z0-9_:.-]{0,63}$")
+
+
+class Queue(StrEnum):
+    RESEARCH = "research"
+    FULL_SCALE = "full-scale"
+
+
+class Strategy(StrEnum):
+    DDP = "ddp"
+    FSDP = "fsdp"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatasetSpec(_Strict):
+    uri: str = Field(description="Folder or file of shards: file:///abs/path or s3://bucket/prefix.")
+    format: Literal["parquet"] = "parquet"
+
+    @field_validator("uri")
+    @classmethod
+    def _known_scheme(cls, uri: str) -> str:
+        if not uri.startswith(("file:///", "s3://")):
+            raise ValueError("must start with file:/// (an absolute local path) or s3://")
+        return uri
+
+
+class CheckpointSpec(_Strict):
+    every_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="Save a checkpoint every N steps; a final one is always saved at max_steps.",
+    )
+
+
+class MLPConfig(_Strict):
+    """Hyperparameters of the built-in `mlp` trainer (rows: `features`, `label`)."""
+
+    task: Literal["classification", "regression"] = "classification"
+    num_classes: int | None = Field(default=None, ge=2)
+    hidden_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [64, 64])
+    lr: float = Field(default=1e-3, gt=0)
+
+    def model_post_init(self, __context: Any) -> None:
+        if self.task == "classification" and self.num_classes is None:
+            raise ValueError("num_classes is required when task is 'classification'")
+
+
+class GPTConfig(_Strict):
+    """Hyperparameters of the built-in `gpt` trainer (rows: `tokens`, a fixed-length int sequence)."""
+
+    vocab_size: int = Field(ge=2)
+    d_model: int = Field(default=64, ge=8)
+    n_layers: int = Field(default=2, ge=1)
+    n_heads: int = Field(default=4, ge=1)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    lr: float = Field(default=3e-4, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    warmup_steps: int = Field(default=10, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+
+    def model_post_init(self, __context: Any) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError("d_model must be divisible by n_heads")
+
+
+BUILTIN_CONFIGS: dict[str, type[BaseModel]] = {"mlp": MLPConfig, "gpt": GPTConfig}
+
+
+class JobSpec(_Strict):
+    """A distributed training job, as a user submits it (JSON or YAML)."""
+
+    name: str = Field(description="Human name; letters, digits, '.', '_', '-'.")
+    queue: Queue = Queue.RESEARCH
+    priority: int = Field(default=0, description="Higher wins within a queue.")
+    trainer: str = Field(description="'mlp', 'gpt', or an importable 'package.module:function'.")
+    num_workers: int = Field(ge=1, le=1024)
+    resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    strategy: Strategy = Strategy.DDP
+    dataset: DatasetSpec
+    max_steps: int = Field(ge=1)
+    batch_size: int = Field(ge=1, description="Samples per worker per step.")
+    seed: int = Field(default=0, ge=0)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    max_failures: int = Field(default=0, ge=0, le=100)
+    config: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not _NAME.match(name):
+            raise ValueError(
+                "1-128 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
+        return name
+
+    @field_validator("trainer")
+    @classmethod
+    def _trainer(cls, trainer: str) -> str:
+        if trainer not in BUILTIN_TRAINERS and not _IMPORT_PATH.match(trainer):
+            raise ValueError(f"must be one of {', '.join(BUILTIN_TRAINERS)} or 'package.module:function'")
+        return trainer
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        for key, amount in resources.items():
+            if not _RESOURCE.match(key):
+                raise ValueError(f"{key!r} is not a resource name")
+            if amount < 0:
+                raise ValueError(f"{key} must be >= 0, got {amount}")
+        if not any(amount > 0 for amount in resources.values()):
+            raise ValueError("at least one resource must be > 0 (e.g. {'CPU': 1})")
+        return resources
+
+    @field_validator("strategy")
+    @classmethod
+    def _strategy(cls, strategy: Strategy) -> Strategy:
+        if strategy is Strategy.FSDP:
+            raise ValueError("fsdp is not supported yet; use 'ddp'")
+        return strategy
+
+    @field_validator("config")
+    @classmethod
+    def _config(cls, config: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        schema = BUILTIN_CONFIGS.get(info.data.get("trainer", ""))
+        if schema is None:
+            return config
+        try:
+            return schema.model_validate(config).model_dump()
+        except ValueError as err:
+            raise ValueError(_first_error(err)) from None
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.resources_per_worker.get("GPU", 0) > 0
+
+    def gang_resources(self) -> dict[str, float]:
+        """What the whole worker group needs at once."""
+        return {key: amount * self.num_workers for key, amount in self.resources_per_worker.items()}
+
+    def trainer_config(self) -> BaseModel | None:
+        schema = BUILTIN_CONFIGS.get(self.trainer)
+        return schema.model_validate(self.config) if schema else None
+
+
+def _first_error(err: ValueError) -> str:
+    errors = getattr(err, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return f"{where}: {first['msg']}" if where else str(first["msg"])
+    return str(err)
+
+
+def parse_spec_text(text: str) -> dict[str, Any]:
+    """Parse a JSON or YAML document into a plain dict (validation is JobSpec's job)."""
+    data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError("a job spec must be a mapping of fields")
+    return data
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    return JobSpec.model_validate(parse_spec_text(Path(path).read_text()))
+
+
+class LaunchRequest(_Strict):
+    """What the service tells `python -m trainers.launch` (env var APIARY_LAUNCH)."""
+
+    job_id: int
+    attempt: int = Field(ge=1)
+    spec: JobSpec
+    storage_uri: str = Field(description="Root for checkpoints; the run lives at {storage_uri}/{run_name}.")
+    run_name: str
+    report_url: str | None = Field(description="POST target for ReportBatch; None = log only.")
+    data_cpus: float = Field(default=1.0, gt=0, description="CPU budget of the job's Ray Data tasks.")
+    s3_endpoint_url: str | None = None
+
+    def to_env(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_env(cls, value: str) -> LaunchRequest:
+        return cls.model_validate(json.loads(value))
+
+
+class MetricPoint(_Strict):
+    step: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    time: float = Field(description="Unix time in seconds.")
+    values: dict[str, float]
+
+
+class CheckpointReport(_Strict):
+    step: int = Field(ge=0)
+    uri: str
+
+
+class ReportBatch(_Strict):
+    """One post from a trainer rank to the control plane."""
+
+    attempt: int = Field(ge=1)
+    points: list[MetricPoint] = Field(default_factory=list, max_length=10_000)
+    checkpoint: CheckpointReport | None = None

@@ -1,0 +1,48 @@
+"""A cluster backend for tests where Ray is not under test. Same interface as `RayBackend`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from service.cluster import RayJobInfo, RayJobStatus
+from service.errors import ClusterUnavailable
+from service.policy import ClusterSnapshot, NodeCapacity
+from service.spec import LAUNCH_ENV_VAR, LaunchRequest
+
+
+@dataclass
+class FakeBackend:
+    nodes: list[dict[str, float]] = field(default_factory=lambda: [{"CPU": 8.0}])
+    statuses: dict[str, RayJobStatus] = field(default_factory=dict)
+    logs: dict[str, str] = field(default_factory=dict)
+    submitted: list[tuple[str, LaunchRequest]] = field(default_factory=list)
+    stopped: list[str] = field(default_factory=list)
+    available: bool = True
+
+    def snapshot(self) -> ClusterSnapshot:
+        if not self.available:
+            raise ClusterUnavailable("fake cluster is down")
+        return ClusterSnapshot(
+            nodes=tuple(NodeCapacity(node_id=f"node-{i}", resources=r) for i, r in enumerate(self.nodes))
+        )
+
+    def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
+        assert entrypoint.endswith("-m trainers.launch")
+        self.submitted.append(
+            (submission_id, LaunchRequest.model_validate(json.loads(env_vars[LAUNCH_ENV_VAR])))
+        )
+        self.statuses[submission_id] = RayJobStatus.PENDING
+
+    def job_info(self, submission_id: str) -> RayJobInfo:
+        return RayJobInfo(status=self.statuses.get(submission_id, RayJobStatus.MISSING))
+
+    def job_logs(self, submission_id: str) -> str:
+        return self.logs.get(submission_id, "")
+
+    def stop(self, submission_id: str) -> None:
+        self.stopped.append(submission_id)
+        self.statuses[submission_id] = RayJobStatus.STOPPED
+
+    def submission_of(self, job_id: int) -> str:
+        return next(sid for sid, launch in self.submitted if launch.job_id == job_id)

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import re
+
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import inspect, text
+
+from service.db import build_engine, upgrade
+from service.models import Base, JobState
+
+
+def test_upgrade_of_an_empty_database_matches_the_models(database_url: str) -> None:
+    engine = build_engine(database_url)
+    upgrade(engine)
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"compare_type": True})
+        assert compare_metadata(context, Base.metadata) == []
+    assert set(inspect(engine).get_table_names()) >= {"jobs", "job_events", "metrics", "alembic_version"}
+    engine.dispose()
+
+
+def test_upgrade_twice_is_a_no_op(database_url: str) -> None:
+    engine = build_engine(database_url)
+    upgrade(engine)
+    upgrade(engine)
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0001"
+    engine.dispose()
+
+
+def test_the_database_state_constraint_matches_the_python_enum(database_url: str) -> None:
+    engine = build_engine(database_url)
+    upgrade(engine)
+    checks = inspect(engine).get_check_constraints("jobs")
+    state_check = next(check for check in checks if "state" in check["sqltext"])
+    allowed = set(re.findall(r"'([a-z_-]+)'", state_check["sqltext"]))
+    assert allowed == {state.value for state in JobState}
+    engine.dispose()

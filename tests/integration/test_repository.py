@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import func, select
+
+from service import repository
+from service.db import Database
+from service.errors import InvalidTransition, JobNotFound
+from service.models import Job, JobEvent, JobState, Metric
+from service.spec import JobSpec, MetricPoint
+
+
+@pytest.fixture
+def db(database_url: str) -> Iterator[Database]:
+    database = Database(database_url)
+    database.upgrade()
+    yield database
+    database.dispose()
+
+
+def spec(name: str = "job", priority: int = 0) -> JobSpec:
+    return JobSpec.model_validate(
+        {
+            "name": name,
+            "priority": priority,
+            "trainer": "mlp",
+            "num_workers": 2,
+            "dataset": {"uri": "file:///data"},
+            "max_steps": 5,
+            "batch_size": 2,
+            "config": {"num_classes": 3},
+        }
+    )
+
+
+def test_a_transition_writes_the_state_and_one_event_together(db: Database) -> None:
+    with db.session() as session:
+        job_id = repository.create_job(session, spec=spec(), owner="ada").id
+    with db.session() as session:
+        job = repository.get_job(session, job_id)
+        repository.transition(session, job, JobState.ADMITTED, actor="scheduler", reason="fits", attempt=1)
+    with db.session() as session:
+        job = repository.get_job(session, job_id)
+        assert (job.state, job.attempt) == (JobState.ADMITTED, 1)
+        assert job.admitted_at is not None
+        events = repository.list_events(session, job_id)
+        assert [(e.from_state, e.to_state, e.actor) for e in events] == [
+            (None, JobState.QUEUED, "api"),
+            (JobState.QUEUED, JobState.ADMITTED, "scheduler"),
+        ]
+
+
+def test_a_refused_transition_writes_nothing(db: Database) -> None:
+    with db.session() as session:
+        job_id = repository.create_job(session, spec=spec(), owner="ada").id
+    with pytest.raises(InvalidTransition), db.session() as session:
+        repository.transition(
+            session, repository.get_job(session, job_id), JobState.RUNNING, actor="x", reason="y"
+        )
+    with db.session() as session:
+        assert repository.get_job(session, job_id).state is JobState.QUEUED
+        assert session.scalar(select(func.count()).select_from(JobEvent)) == 1
+
+
+def test_a_failed_unit_of_work_rolls_back_the_job_and_its_event(db: Database) -> None:
+    with pytest.raises(RuntimeError), db.session() as session:
+        repository.create_job(session, spec=spec(), owner="ada")
+        raise RuntimeError("crash before commit")
+    with db.session() as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == 0
+        assert session.scalar(select(func.count()).select_from(JobEvent)) == 0
+
+
+def test_queue_order_is_priority_then_age(db: Database) -> None:
+    with db.session() as session:
+        for name, priority in [("a", 0), ("b", 5), ("c", 0), ("d", 5)]:
+            repository.create_job(session, spec=spec(name, priority), owner="ada")
+    with db.session() as session:
+        assert [job.name for job in repository.queued_jobs(session)] == ["b", "d", "a", "c"]
+
+
+def test_list_filters_and_paginates(db: Database) -> None:
+    with db.session() as session:
+        ids = [repository.create_job(session, spec=spec(f"j{i}"), owner="ada").id for i in range(5)]
+        repository.transition(
+            session, repository.get_job(session, ids[0]), JobState.CANCELLED, actor="u", reason="r"
+        )
+    with db.session() as session:
+        page, count = repository.list_jobs(session, states=[JobState.QUEUED], limit=2, offset=1)
+        assert count == 4
+        assert [job.id for job in page] == [ids[3], ids[2]]
+        assert repository.list_jobs(session, queue="full-scale")[1] == 0
+
+
+def test_metrics_are_idempotent_and_filterable(db: Database) -> None:
+    with db.session() as session:
+        job = repository.create_job(session, spec=spec(), owner="ada")
+        points = [
+            MetricPoint(step=s, rank=r, time=1.0, values={"loss": 1.0 / (s + 1)})
+            for s in range(3)
+            for r in (0, 1)
+        ]
+        repository.add_metrics(session, job, attempt=1, points=points)
+    with db.session() as session:
+        repository.add_metrics(session, job, attempt=1, points=points[:2])  # a re-posted batch
+    with db.session() as session:
+        assert session.scalar(select(func.count()).select_from(Metric)) == 6
+        rank1 = repository.list_metrics(session, job.id, rank=1, min_step=1)
+        assert [(m.step, m.rank) for m in rank1] == [(1, 1), (2, 1)]
+        assert rank1[0].values == {"loss": 0.5}
+
+
+def test_only_a_newer_checkpoint_replaces_the_latest(db: Database) -> None:
+    with db.session() as session:
+        job = repository.create_job(session, spec=spec(), owner="ada")
+        assert repository.set_checkpoint(session, job, step=10, uri="file:///c/10")
+        assert not repository.set_checkpoint(session, job, step=5, uri="file:///c/5")
+    with db.session() as session:
+        assert repository.get_job(session, job.id).latest_checkpoint == "file:///c/10"
+
+
+def test_unknown_job(db: Database) -> None:
+    with pytest.raises(JobNotFound), db.session() as session:
+        repository.get_job(session, 999)

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import pytest
+
+from service.models import TERMINAL_STATES, JobState
+from service.states import ALLOWED, can_transition
+
+
+def test_every_state_has_a_row() -> None:
+    assert set(ALLOWED) == set(JobState)
+
+
+@pytest.mark.parametrize("terminal", sorted(TERMINAL_STATES))
+def test_terminal_states_are_final(terminal: JobState) -> None:
+    assert not any(can_transition(terminal, target) for target in JobState)
+
+
+def test_the_happy_path_and_cancel() -> None:
+    assert can_transition(JobState.QUEUED, JobState.ADMITTED)
+    assert can_transition(JobState.ADMITTED, JobState.RUNNING)
+    assert can_transition(JobState.RUNNING, JobState.SUCCEEDED)
+    assert can_transition(JobState.RUNNING, JobState.CANCELLED)
+    assert not can_transition(JobState.QUEUED, JobState.RUNNING)
+    assert not can_transition(JobState.RUNNING, JobState.QUEUED)
