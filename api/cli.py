@@ -22,7 +22,7 @@ from service.settings import Settings
 app = typer.Typer(
     help="Apiary: queue and run distributed PyTorch training jobs on Ray.", no_args_is_help=True
 )
-console = Console()
+console = Console(soft_wrap=True)
 
 
 def _settings(**overrides: Any) -> Settings:
@@ -111,7 +111,7 @@ def _run_demo_job(url: str, *, dataset: Path, steps: int, workers: int) -> int:
                 last_step = point["step"]
                 values = point["values"]
                 console.print(
-                    f"    step {last_step + 1:>4}/{steps}  loss {values.get('loss', float('nan')):.3f}  "
+                    f"    step {last_step:>4}/{steps}  loss {values.get('loss', float('nan')):.3f}  "
                     f"{values.get('samples_per_s', 0):.0f} samples/s"
                 )
         style = "green" if job["state"] == "succeeded" else "red"

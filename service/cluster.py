@@ -17,13 +17,14 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
@@ -77,7 +78,11 @@ class ClusterBackend(Protocol):
 
 
 class RayBackend:
-    def __init__(self, dashboard_url: str) -> None:
+    def __init__(self, dashboard_url: str, *, auth_token_path: Path | None = None) -> None:
+        if auth_token_path is not None:
+            # Ray's clients read these from the environment (some of it once, when Ray is first
+            # imported): this process talks to this one cluster.
+            os.environ.update(auth_env(auth_token_path))
         from ray.job_submission import JobSubmissionClient
 
         self.dashboard_url = dashboard_url.rstrip("/")
@@ -102,6 +107,15 @@ class RayBackend:
                 if node.state == "ALIVE"
             )
         )
+
+    def wait_for_nodes(self, timeout_s: float = 60) -> ClusterSnapshot:
+        """A fresh cluster's dashboard answers a moment before its head node registers."""
+        deadline = time.monotonic() + timeout_s
+        while not (snapshot := self.snapshot()).nodes:
+            if time.monotonic() > deadline:
+                raise ClusterUnavailable(f"the Ray cluster at {self.dashboard_url} has no alive node")
+            time.sleep(0.3)
+        return snapshot
 
     def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
         # The driver takes no CPU: the gang's resources are the workers' and Ray Data's.
@@ -194,6 +208,7 @@ class LocalRay:
     gcs_address: str
     dashboard_url: str
     temp_dir: str
+    auth_token_path: Path
     state_file: Path
 
     @classmethod
@@ -218,6 +233,8 @@ class LocalRay:
         ports = {flag: free_port() for flag in _PORT_FLAGS}
         temp_dir = _short_temp_dir(data_dir)
         log_path = data_dir / "ray.log"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        auth_token_path = _ensure_auth_token(data_dir / "ray_auth_token")
         command = [
             ray_bin,
             "start",
@@ -230,13 +247,17 @@ class LocalRay:
             f"--temp-dir={temp_dir}",
             *[f"--{flag}={port}" for flag, port in ports.items()],
         ]
-        data_dir.mkdir(parents=True, exist_ok=True)
+        # Token auth on (Ray binds beyond loopback), with a token of this data dir's own: the
+        # service's client and every job driver (which inherits the raylet's environment) use it.
+        env = {**os.environ, **auth_env(auth_token_path)}
+        env.pop("RAY_AUTH_TOKEN", None)
         with log_path.open("ab") as log:
             process = subprocess.Popen(
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                env=env,
                 start_new_session=True,  # its own process group: it survives a crash of the service
             )
         cluster = cls(
@@ -244,6 +265,7 @@ class LocalRay:
             gcs_address=f"127.0.0.1:{ports['port']}",
             dashboard_url=f"http://127.0.0.1:{ports['dashboard-port']}",
             temp_dir=str(temp_dir),
+            auth_token_path=auth_token_path,
             state_file=state_file,
         )
         deadline = time.monotonic() + timeout_s
@@ -254,16 +276,7 @@ class LocalRay:
                 cluster.stop()
                 raise ClusterUnavailable(f"local Ray did not start within {timeout_s:.0f} s; see {log_path}")
             time.sleep(0.3)
-        state_file.write_text(
-            json.dumps(
-                {
-                    "pid": cluster.pid,
-                    "gcs_address": cluster.gcs_address,
-                    "dashboard_url": cluster.dashboard_url,
-                    "temp_dir": cluster.temp_dir,
-                }
-            )
-        )
+        cluster._save()
         logger.info(
             "started local Ray at %s (pid %s, %s CPUs)",
             cluster.dashboard_url,
@@ -282,14 +295,19 @@ class LocalRay:
                 gcs_address=data["gcs_address"],
                 dashboard_url=data["dashboard_url"],
                 temp_dir=data["temp_dir"],
+                auth_token_path=Path(data["auth_token_path"]),
                 state_file=state_file,
             )
         except (OSError, ValueError, KeyError):
             return None
 
+    def _save(self) -> None:
+        state = {key: str(value) for key, value in asdict(self).items() if key != "state_file"}
+        self.state_file.write_text(json.dumps(state))
+
     def _dashboard_ready(self) -> bool:
         try:
-            return httpx.get(f"{self.dashboard_url}/api/version", timeout=2).status_code == 200
+            return httpx.get(f"{self.dashboard_url}/api/version", timeout=2).status_code in (200, 401, 403)
         except httpx.HTTPError:
             return False
 
@@ -300,10 +318,12 @@ class LocalRay:
             return False
         return self._dashboard_ready()
 
-    def stop(self, timeout_s: float = 40) -> None:
+    def stop(self, timeout_s: float = 15) -> None:
         """Stop this cluster only (never `ray stop`, which stops every Ray on the machine)."""
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGTERM)  # `ray start --block` drains, then stops its processes
+            # `ray start --block` drains (up to 30 s with work left), then stops its processes; past
+            # `timeout_s` the group is killed: nothing of Apiary's lives only in Ray's memory.
+            os.kill(self.pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline and _pid_running(self.pid):
                 time.sleep(0.2)
@@ -328,10 +348,23 @@ def _pid_running(pid: int) -> bool:
     return True
 
 
+def auth_env(token_path: Path) -> dict[str, str]:
+    """What Ray's processes and clients need to use a cluster with this token."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+
+
+def _ensure_auth_token(path: Path) -> Path:
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_hex(32))
+    return path
+
+
 def _short_temp_dir(data_dir: Path) -> Path:
-    # Ray puts unix sockets under its temp dir; their paths must stay under ~107 bytes.
+    # Ray puts unix sockets at {temp_dir}/session_<date>_<pid>/sockets/dash_MetricsHead, which
+    # adds ~67 bytes; a unix socket path may not exceed 107.
     preferred = data_dir / "ray"
-    if len(str(preferred)) <= 60:
+    if len(str(preferred)) <= 36:
         return preferred
     digest = hashlib.sha1(str(data_dir).encode()).hexdigest()[:10]
     return Path("/tmp") / f"apiary-ray-{digest}"

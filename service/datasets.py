@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from service.storage import filesystem_for
+from service.storage import resolve_uri
 
 
 def token_table(*, num_rows: int, seq_len: int, vocab_size: int, seed: int, first_id: int = 0) -> pa.Table:
@@ -48,7 +48,7 @@ def write_shards(
     tables: list[pa.Table], uri: str, *, s3_endpoint_url: str | None = None, row_group_rows: int = 1024
 ) -> list[str]:
     """Write one parquet shard per table under `uri` (a folder); returns the shard paths."""
-    fs, root = filesystem_for(uri, s3_endpoint_url=s3_endpoint_url)
+    root, fs = resolve_uri(uri, s3_endpoint_url=s3_endpoint_url)
     fs.create_dir(root, recursive=True)
     paths = []
     for index, table in enumerate(tables):

@@ -16,7 +16,7 @@ class JobNotFound(ApiaryError):
     """No job has this id."""
 
 
-class InvalidSpec(ApiaryError):
+class InvalidSpec(ApiaryError, ValueError):
     """The job spec cannot run as written."""
 
 
@@ -24,8 +24,11 @@ class Unschedulable(InvalidSpec):
     """The job asks for more than the cluster could ever hold."""
 
 
-class DatasetNotFound(InvalidSpec):
-    """The dataset URI does not point at any readable shards."""
+class DatasetError(InvalidSpec):
+    """The dataset does not fit the job: wrong location, columns, types or size."""
+
+    def __init__(self, message: str | None = None, *, field: str | None = "dataset.uri") -> None:
+        super().__init__(message, field=field)
 
 
 class InvalidTransition(ApiaryError):

@@ -53,7 +53,9 @@ class Runtime:
         self.local_ray = LocalRay.start_or_reuse(
             data_dir=self.settings.data_dir, num_cpus=self.settings.local_ray_cpus
         )
-        return RayBackend(self.local_ray.dashboard_url)
+        backend = RayBackend(self.local_ray.dashboard_url, auth_token_path=self.local_ray.auth_token_path)
+        backend.wait_for_nodes()
+        return backend
 
     def stop(self) -> None:
         if self._scheduler is not None:

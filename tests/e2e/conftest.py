@@ -1,0 +1,102 @@
+"""A real `apiary serve` (the console script, as a user runs it) with its own local Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api.client import ApiaryClient
+from service.cluster import free_port
+
+
+@dataclass
+class Served:
+    url: str
+    data_dir: Path
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def ray_state(self) -> dict[str, str]:
+        state: dict[str, str] = json.loads((self.data_dir / "ray_cluster.json").read_text())
+        return state
+
+    def ray_job_status(self, submission_id: str) -> str:
+        """Ask the local Ray's Jobs API directly (with its token), not through Apiary."""
+        state = self.ray_state()
+        token = Path(state["auth_token_path"]).read_text().strip()
+        response = httpx.get(
+            f"{state['dashboard_url']}/api/jobs/{submission_id}",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=10,
+        )
+        response.raise_for_status()
+        return str(response.json()["status"])
+
+
+def apiary_bin() -> str:
+    return str(Path(sys.executable).parent / "apiary")
+
+
+def start_serve(*, data_dir: Path, database_url: str, log: Path, timeout_s: float = 120) -> Served:
+    port = free_port()
+    env = {**os.environ, "APIARY_DATA_DIR": str(data_dir), "APIARY_DATABASE_URL": database_url}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [apiary_bin(), "serve", "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    served = Served(url=f"http://127.0.0.1:{port}", data_dir=data_dir, process=process, log=log)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"apiary serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{served.url}/healthz", timeout=2).json().get("status") == "ok":
+                return served
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"apiary serve did not become healthy:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def stop_serve(served: Served, timeout_s: float = 90) -> None:
+    """SIGTERM, as a supervisor stops it; asserts that the shutdown ran to its end."""
+    served.process.send_signal(signal.SIGTERM)
+    code = served.process.wait(timeout_s)
+    # uvicorn re-raises the signal it handled after a graceful shutdown, so -SIGTERM is clean too.
+    assert code in (0, -signal.SIGTERM), f"apiary serve exited with {code}"
+    assert "Application shutdown complete" in served.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One service + local Ray for the module, on PostgreSQL (the production database)."""
+    from tests.conftest import _fresh_postgres_database
+
+    root = tmp_path_factory.mktemp("e2e")
+    database = _fresh_postgres_database()
+    database_url = next(database)
+    served = start_serve(data_dir=root / "data", database_url=database_url, log=root / "serve.log")
+    try:
+        yield served
+    finally:
+        if served.process.poll() is None:
+            stop_serve(served)
+        next(database, None)
+
+
+@pytest.fixture
+def client(served: Served) -> Iterator[ApiaryClient]:
+    with ApiaryClient(served.url, user="e2e") as client:
+        yield client

@@ -1,0 +1,145 @@
+"""Through HTTP to a real local Ray: submit, train on 2 workers, checkpoint; cancel; fail clearly."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+
+from api.client import ApiaryClient
+from service.datasets import write_classification_dataset
+from tests.e2e.conftest import Served, start_serve, stop_serve
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
+
+
+def mlp_spec(dataset: str, **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": "e2e-mlp",
+        "trainer": "mlp",
+        "num_workers": 2,
+        "resources_per_worker": {"CPU": 1},
+        "dataset": {"uri": dataset},
+        "max_steps": 30,
+        "batch_size": 16,
+        "checkpoint": {"every_steps": 10},
+        "config": {"task": "classification", "num_classes": 3, "lr": 0.01},
+    }
+    spec.update(overrides)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    uri = f"file://{tmp_path_factory.mktemp('data') / 'clf'}"
+    write_classification_dataset(uri, num_shards=4, rows_per_shard=256, num_features=8, num_classes=3)
+    return uri
+
+
+def wait_for_state(client: ApiaryClient, job_id: int, state: str, timeout_s: float = 180) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = client.get(job_id)
+        if job["state"] == state:
+            return job
+        assert job["state"] not in {"succeeded", "failed", "cancelled"} - {state}, job
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} never became {state}: {client.get(job_id)}")
+
+
+def test_a_two_worker_job_trains_to_a_checkpoint_that_loads(client: ApiaryClient, dataset: str) -> None:
+    job = client.submit(mlp_spec(dataset))
+    job = client.wait(job["id"], timeout_s=300)
+    assert job["state"] == "succeeded", job
+
+    points = client.metrics(job["id"])
+    assert {p["rank"] for p in points} == {0, 1}
+    for rank in (0, 1):
+        steps = [p["step"] for p in points if p["rank"] == rank]
+        assert steps == list(range(1, 31)), f"rank {rank} reported steps {steps}"
+    first = [p["values"]["loss"] for p in points if p["step"] <= 5]
+    last = [p["values"]["loss"] for p in points if p["step"] > 25]
+    assert sum(last) / len(last) < 0.8 * sum(first) / len(first)
+    assert {"loss", "lr", "grad_norm", "samples_per_s", "step_time_s", "data_wait_s"} <= set(
+        points[0]["values"]
+    )
+
+    assert job["latest_checkpoint_step"] == 30
+    checkpoint = Path(urlparse(job["latest_checkpoint"]).path)
+    assert checkpoint.is_dir()
+    from trainers.checkpoint import build_model_from_checkpoint, load_checkpoint
+
+    state = load_checkpoint(checkpoint)
+    assert state["step"] == 30
+    model = build_model_from_checkpoint(checkpoint)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+    events = [e["to_state"] for e in client.events(job["id"])]
+    assert events[0] == "queued" and events[-1] == "succeeded"
+    assert {"admitted", "running"} <= set(events)
+
+
+def test_cancel_stops_the_ray_job(client: ApiaryClient, served: Served, dataset: str) -> None:
+    job = client.submit(mlp_spec(dataset, name="e2e-long", max_steps=1_000_000, checkpoint={}))
+    wait_for_state(client, job["id"], "running")
+    cancelled = client.cancel(job["id"])
+    assert cancelled["state"] == "cancelled"
+
+    deadline = time.monotonic() + 60
+    while served.ray_job_status(cancelled["ray_submission_id"]) != "STOPPED":
+        assert time.monotonic() < deadline, "the Ray job was not stopped"
+        time.sleep(0.5)
+    time.sleep(2)  # a reconcile tick after the stop must not move the job
+    assert client.get(job["id"])["state"] == "cancelled"
+
+
+def test_a_bad_dataset_fails_with_a_reason_a_user_can_act_on(client: ApiaryClient, dataset: str) -> None:
+    # The data has `features`/`label`; the gpt trainer needs `tokens`.
+    job = client.submit(mlp_spec(dataset, name="e2e-wrong-columns", trainer="gpt", config={"vocab_size": 16}))
+    job = client.wait(job["id"], timeout_s=180)
+    assert job["state"] == "failed"
+    assert "tokens" in job["message"], job["message"]
+
+
+def test_a_clean_stop_of_serve_stops_its_local_ray(tmp_path: Path, postgres_url: str) -> None:
+    served = start_serve(data_dir=tmp_path / "data", database_url=postgres_url, log=tmp_path / "serve.log")
+    ray_pid = int(served.ray_state()["pid"])
+    stop_serve(served)
+    deadline = time.monotonic() + 30
+    while _alive(ray_pid):
+        assert time.monotonic() < deadline, "local Ray outlived `apiary serve`"
+        time.sleep(0.5)
+    assert not (served.data_dir / "ray_cluster.json").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) counts as gone
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_local_ray_outlives_a_crash_of_serve_and_is_reused(tmp_path: Path, postgres_url: str) -> None:
+    data_dir = tmp_path / "data"
+    crashed = start_serve(data_dir=data_dir, database_url=postgres_url, log=tmp_path / "serve-1.log")
+    ray_pid = int(crashed.ray_state()["pid"])
+    crashed.process.kill()  # SIGKILL: no clean shutdown
+    crashed.process.wait(30)
+    assert _alive(ray_pid)
+
+    restarted = start_serve(data_dir=data_dir, database_url=postgres_url, log=tmp_path / "serve-2.log")
+    assert int(restarted.ray_state()["pid"]) == ray_pid
+    stop_serve(restarted)
+    deadline = time.monotonic() + 30
+    while _alive(ray_pid):
+        assert time.monotonic() < deadline, "local Ray outlived the restarted `apiary serve`"
+        time.sleep(0.5)

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import ray.train
+
+from service.spec import LAUNCH_ENV_VAR
+from trainers.data import DatasetError
+from trainers.launch import ERROR_PREFIX, MAX_REASON_CHARS, TrainingFailed, failure_reason, main
+
+
+def last_stderr_line(capsys: pytest.CaptureFixture[str]) -> str:
+    return capsys.readouterr().err.rstrip("\n").splitlines()[-1]
+
+
+def test_main_without_a_request_fails_with_a_reason(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv(LAUNCH_ENV_VAR, raising=False)
+    assert main() == 1
+    assert (
+        last_stderr_line(capsys)
+        == f"{ERROR_PREFIX}{LAUNCH_ENV_VAR} is not set: this entrypoint is started by the Apiary service"
+    )
+
+
+def test_main_with_an_invalid_request_names_the_field(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(LAUNCH_ENV_VAR, '{"job_id": 1}')
+    assert main() == 1
+    line = last_stderr_line(capsys)
+    assert line.startswith(f"{ERROR_PREFIX}{LAUNCH_ENV_VAR} is not a valid launch request:")
+    assert "attempt" in line
+
+
+def test_failure_reasons_are_one_line() -> None:
+    assert failure_reason(DatasetError("dataset file:///x has no column 'tokens'")) == (
+        "dataset file:///x has no column 'tokens'"
+    )
+    assert failure_reason(TrainingFailed("out of memory")) == "out of memory"
+    assert failure_reason(RuntimeError("boom\n  at line 3")) == "RuntimeError: boom at line 3"
+    assert len(failure_reason(ValueError("x" * 5000))) == MAX_REASON_CHARS
+
+
+def test_worker_group_errors_name_the_rank_or_the_user_mistake() -> None:
+    value_error = ray.train.WorkerGroupError("snippet", {1: DatasetError("label 3 is outside [0, 2)")})
+    assert failure_reason(value_error) == "label 3 is outside [0, 2)"
+    crash: dict[int, Any] = {0: RuntimeError("NCCL timeout"), 1: RuntimeError("NCCL timeout")}
+    assert failure_reason(ray.train.WorkerGroupError("snippet", crash)) == (
+        "training failed on rank 0 (and others): RuntimeError: NCCL timeout"
+    )

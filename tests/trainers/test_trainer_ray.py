@@ -1,0 +1,119 @@
+"""End to end on a real local Ray cluster: `trainers.launch.run()` and `python -m trainers.launch`.
+
+Each `run()` costs ~20-35 s here (Train controller and worker start-up dominate), so the jobs are
+tiny and each test checks as much as one run can show.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from service.spec import LAUNCH_ENV_VAR
+from trainers.checkpoint import build_model_from_checkpoint, checkpoint_dir_name, load_checkpoint
+from trainers.data import DatasetError
+from trainers.launch import ERROR_PREFIX, TrainingFailed, run
+from trainers.loop import STEP_METRICS
+from trainers.models import GPT
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+GPT_CONFIG = {"vocab_size": 32, "d_model": 32, "n_layers": 2, "n_heads": 4, "warmup_steps": 5, "lr": 3e-3}
+
+
+def test_gpt_trains_checkpoints_reports_and_resumes(
+    ray_cluster: str, synthetic: Any, tmp_path: Path, report_server: Any
+) -> None:
+    data = synthetic.write_token_dataset(tmp_path / "tokens", rows=256, seq_len=17, vocab_size=32, shards=3)
+    storage = tmp_path / "storage"
+
+    def request(max_steps: int) -> Any:
+        spec = synthetic.make_spec(
+            trainer="gpt",
+            dataset=data,
+            config=GPT_CONFIG,
+            max_steps=max_steps,
+            checkpoint={"every_steps": 10},
+        )
+        return synthetic.make_request(spec, storage=storage, run_name="gpt-run", report_url=report_server.url)
+
+    # First submission stops at step 20; the second, under the same run name, resumes there.
+    first = run(request(20))
+    assert first.step == 20
+    second = run(request(30))
+    assert second.step == 30
+    run_dir = storage / "gpt-run"
+    assert second.checkpoint_uri == (run_dir / checkpoint_dir_name(30)).as_uri()
+
+    for step in (10, 20, 30):
+        state = load_checkpoint(run_dir / checkpoint_dir_name(step))
+        assert state["step"] == step
+        assert state["world_size"] == 2 and len(state["rng"]) == 2
+        assert state["samples_consumed"] == step * 2 * 16
+    model = build_model_from_checkpoint(run_dir / checkpoint_dir_name(30))
+    assert isinstance(model, GPT) and model.block_size == 16
+    assert model(torch.zeros(1, 16, dtype=torch.long)).shape == (1, 16, 32)
+
+    points = report_server.points()
+    assert {p["rank"] for p in points} == {0, 1}
+    for rank in (0, 1):
+        steps = [p["step"] for p in points if p["rank"] == rank]
+        # Each step once per rank: the resumed run started at 21, not at 1.
+        assert sorted(steps) == list(range(1, 31))
+    assert all(set(p["values"]) == set(STEP_METRICS) for p in points)
+    loss = {p["step"]: p["values"]["loss"] for p in points if p["rank"] == 0}
+    assert loss[30] < loss[1] - 0.5, loss
+    assert [c["step"] for c in report_server.checkpoints()] == [10, 20, 30]
+    assert report_server.checkpoints()[-1]["uri"] == second.checkpoint_uri
+
+
+def test_mlp_classification_learns(ray_cluster: str, synthetic: Any, tmp_path: Path) -> None:
+    data = synthetic.write_classification_dataset(tmp_path / "cls", rows=512, num_features=8, num_classes=3)
+    spec = synthetic.make_spec(
+        trainer="mlp", dataset=data, config={"num_classes": 3, "lr": 1e-2}, max_steps=40
+    )
+    result = run(synthetic.make_request(spec, storage=tmp_path / "storage", run_name="mlp-run"))
+
+    assert result.step == 40
+    assert result.metrics["loss"] < 0.3  # from ~ln(3) = 1.1 at the start
+    assert set(STEP_METRICS) <= set(result.metrics)
+    assert result.checkpoint_path is not None
+    model = build_model_from_checkpoint(result.checkpoint_path)
+    assert model(torch.zeros(2, 8)).shape == (2, 3)
+
+
+def test_bad_dataset_fails_before_training_with_a_clear_reason(
+    ray_cluster: str, synthetic: Any, tmp_path: Path
+) -> None:
+    data = synthetic.write_classification_dataset(tmp_path / "cls", rows=64)
+    spec = synthetic.make_spec(trainer="gpt", dataset=data, config=GPT_CONFIG)
+    request = synthetic.make_request(spec, storage=tmp_path / "storage", run_name="bad")
+    expected = f"dataset {data.as_uri()} has no column 'tokens' (columns: features, label)"
+
+    with pytest.raises(DatasetError) as raised:
+        run(request)
+    assert str(raised.value) == expected
+
+    # The same through the real entrypoint, as the service runs it: exit 1, reason on the last line.
+    env = {**os.environ, LAUNCH_ENV_VAR: request.to_env(), "RAY_ADDRESS": ray_cluster}
+    process = subprocess.run(
+        [sys.executable, "-m", "trainers.launch"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert process.returncode == 1, process.stderr
+    assert process.stderr.rstrip("\n").splitlines()[-1] == f"{ERROR_PREFIX}{expected}"
+
+
+def test_bad_rows_fail_in_the_workers_with_the_data_error(
+    ray_cluster: str, synthetic: Any, tmp_path: Path
+) -> None:
+    # Labels go up to 2 but the spec says two classes: only the workers' batches can tell.
+    data = synthetic.write_classification_dataset(tmp_path / "cls", rows=64, num_classes=3)
+    spec = synthetic.make_spec(trainer="mlp", dataset=data, config={"num_classes": 2}, max_steps=5)
+    with pytest.raises(TrainingFailed, match=r"label 2 is outside \[0, num_classes=2\)"):
+        run(synthetic.make_request(spec, storage=tmp_path / "storage", run_name="bad-rows"))

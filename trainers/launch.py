@@ -1,0 +1,249 @@
+"""Entrypoint of one training job on the Ray cluster.
+
+The service submits it as a Ray job, with the `LaunchRequest` as JSON in `APIARY_LAUNCH`:
+
+    APIARY_LAUNCH='{"job_id": 1, "attempt": 1, "spec": {...}, ...}' python -m trainers.launch
+
+`main()` connects to the job's cluster and calls `run()`, which checks the dataset on the driver
+(footers only), builds the Ray Data dataset with its CPU use capped at `request.data_cpus` (so data
+tasks can never take the CPUs the train workers need, nor the reverse starve data), and runs a
+`TorchTrainer` (DDP: gloo on CPU, nccl on GPU) under `{storage_uri}/{run_name}`, where Ray Train
+also finds the checkpoint to resume from when a job is resubmitted with the same run name.
+
+Exit status 0 means the job reached `max_steps`. Anything else exits 1 with, as the last line on
+stderr, `apiary-error: <one-line reason a user can act on>`; the service's reconciler reads the
+last such line from the Ray job's logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+import ray
+import ray.data
+import ray.train
+from pydantic import ValidationError
+from ray.data import ExecutionOptions, ExecutionResources
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from service.spec import BUILTIN_TRAINERS, LAUNCH_ENV_VAR, LaunchRequest
+from service.storage import resolve_uri
+from trainers.checkpoint import checkpoint_uri
+from trainers.data import DatasetInfo, inspect_dataset
+from trainers.loop import DATASET_NAME, train_loop_per_worker
+from trainers.models import load_custom_trainer
+
+logger = logging.getLogger(__name__)
+
+ERROR_PREFIX = "apiary-error: "
+# A reason is one line in a log and in the job's API record, not a traceback.
+MAX_REASON_CHARS = 500
+
+
+class TrainingFailed(RuntimeError):
+    """The worker group failed for good (after `max_failures` restarts); str() is the user-facing reason."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    run_name: str
+    # Rank 0's metrics at the last checkpoint ("step", "samples_consumed" and the step metrics).
+    metrics: dict[str, Any] = field(default_factory=dict)
+    # The latest checkpoint as a URI (see trainers.checkpoint.checkpoint_uri) and as Ray reported it.
+    checkpoint_uri: str | None = None
+    checkpoint_path: str | None = None
+    elapsed_s: float = 0.0
+
+    @property
+    def step(self) -> int:
+        return int(self.metrics.get("step", 0))
+
+
+def run(request: LaunchRequest) -> RunResult:
+    """Train one job to `max_steps` on the connected Ray cluster.
+
+    Raises `ValueError` for a job that cannot run as specified (dataset, storage, trainer), found
+    before any worker starts, and `TrainingFailed` when training itself failed.
+    """
+    started = time.monotonic()
+    spec = request.spec
+    train_fn = (
+        train_loop_per_worker if spec.trainer in BUILTIN_TRAINERS else load_custom_trainer(spec.trainer)
+    )
+    dataset_info = inspect_dataset(spec, s3_endpoint_url=request.s3_endpoint_url)
+    storage_path, storage_filesystem = resolve_uri(
+        request.storage_uri, s3_endpoint_url=request.s3_endpoint_url
+    )
+    logger.info(
+        "job %d attempt %d: %s on %d workers, %d steps, dataset %s (%d rows, %d files), run %s/%s",
+        request.job_id,
+        request.attempt,
+        spec.trainer,
+        spec.num_workers,
+        spec.max_steps,
+        dataset_info.uri,
+        dataset_info.num_rows,
+        len(dataset_info.files),
+        request.storage_uri,
+        request.run_name,
+    )
+
+    trainer = TorchTrainer(
+        train_fn,
+        train_loop_config={"request": request.model_dump(mode="json"), "dataset": dataset_info.to_dict()},
+        torch_config=TorchConfig(backend="nccl" if spec.uses_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=spec.num_workers,
+            use_gpu=spec.uses_gpu,
+            resources_per_worker=dict(spec.resources_per_worker),
+        ),
+        run_config=ray.train.RunConfig(
+            name=request.run_name,
+            storage_path=storage_path,
+            storage_filesystem=storage_filesystem,
+            failure_config=ray.train.FailureConfig(max_failures=spec.max_failures),
+        ),
+        datasets={DATASET_NAME: build_ray_dataset(dataset_info, s3_endpoint_url=request.s3_endpoint_url)},
+        dataset_config=ray.train.DataConfig(
+            # The dataset's own DataContext execution options: this job's data tasks stay within
+            # data_cpus whatever else runs on the cluster.
+            execution_options=ExecutionOptions(
+                resource_limits=ExecutionResources.for_limits(cpu=request.data_cpus)
+            ),
+        ),
+    )
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as err:
+        raise TrainingFailed(failure_reason(err)) from err
+
+    checkpoint = result.checkpoint
+    return RunResult(
+        run_name=request.run_name,
+        metrics=dict(result.metrics or {}),
+        checkpoint_uri=(
+            checkpoint_uri(
+                storage_uri=request.storage_uri,
+                run_name=request.run_name,
+                name=PurePosixPath(checkpoint.path).name,
+            )
+            if checkpoint is not None
+            else None
+        ),
+        checkpoint_path=checkpoint.path if checkpoint is not None else None,
+        elapsed_s=time.monotonic() - started,
+    )
+
+
+def build_ray_dataset(info: DatasetInfo, *, s3_endpoint_url: str | None = None) -> ray.data.Dataset:
+    """A lazy Ray Data dataset over exactly the files `inspect_dataset` checked."""
+    _, filesystem = resolve_uri(info.uri, s3_endpoint_url=s3_endpoint_url)
+    context = ray.data.DataContext.get_current()
+    saved = context.use_datasource_v2
+    # Ray 2.60's default parquet reader (datasource V2) starts 32 FooterReader actors, each a Python
+    # process, in every epoch's file listing: 8-25 s per epoch on a 2-core node. The V1 reader reads
+    # footers once, on the driver, and an epoch only reruns its read tasks (~0.4 s here).
+    # read_parquet() reads the flag when called, so it is flipped just around the call.
+    context.use_datasource_v2 = False
+    try:
+        return ray.data.read_parquet(info.files, filesystem=filesystem, columns=info.read_columns)
+    finally:
+        context.use_datasource_v2 = saved
+
+
+def failure_reason(err: BaseException) -> str:
+    """One line a user can act on, from whatever stopped the job."""
+    if isinstance(err, TrainingFailed | ValueError | ValidationError):
+        reason = _one_line(err)
+    elif isinstance(err, ray.train.WorkerGroupError) and err.worker_failures:
+        rank = min(err.worker_failures)
+        cause = _root_cause(err.worker_failures[rank])
+        where = f"rank {rank}" if len(err.worker_failures) == 1 else f"rank {rank} (and others)"
+        # A ValueError from a worker is a data or config mistake: its message is the whole story.
+        reason = (
+            _one_line(cause)
+            if isinstance(cause, ValueError)
+            else f"training failed on {where}: {type(cause).__name__}: {_one_line(cause)}"
+        )
+    elif isinstance(err, ray.train.ControllerError):
+        cause = _root_cause(err.controller_failure)
+        reason = f"Ray Train controller failed: {type(cause).__name__}: {_one_line(cause)}"
+    else:
+        reason = f"{type(err).__name__}: {_one_line(err)}"
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The user's exception inside Ray's wrappers (RayTaskError keeps it as `.cause`)."""
+    seen: set[int] = set()
+    while id(err) not in seen:
+        seen.add(id(err))
+        inner = getattr(err, "cause", None)
+        if isinstance(inner, BaseException):
+            err = inner
+        elif isinstance(err, ray.exceptions.RayTaskError) and err.__cause__ is not None:
+            err = err.__cause__
+        else:
+            break
+    return err
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err)
+    if isinstance(err, ray.exceptions.RayError):
+        # Ray's str() carries the remote traceback; the last line is the exception itself.
+        lines = [line for line in text.splitlines() if line.strip()]
+        text = lines[-1] if lines else ""
+    return " ".join(text.split()) or type(err).__name__
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    raw = os.environ.get(LAUNCH_ENV_VAR)
+    if not raw:
+        return _fail(f"{LAUNCH_ENV_VAR} is not set: this entrypoint is started by the Apiary service")
+    try:
+        request = LaunchRequest.from_env(raw)
+    except (ValueError, ValidationError) as err:
+        return _fail(f"{LAUNCH_ENV_VAR} is not a valid launch request: {_one_line(err)}")
+    try:
+        # Inside a Ray job, RAY_ADDRESS points at the job's cluster and this connects to it.
+        ray.init()
+        result = run(request)
+    except Exception as err:
+        logger.error("job %d attempt %d failed:\n%s", request.job_id, request.attempt, traceback.format_exc())
+        return _fail(failure_reason(err))
+    logger.info(
+        "job %d attempt %d done: step %d in %.1f s, checkpoint %s",
+        request.job_id,
+        request.attempt,
+        result.step,
+        result.elapsed_s,
+        result.checkpoint_uri,
+    )
+    ray.shutdown()
+    return 0
+
+
+def _fail(reason: str) -> int:
+    # Shut Ray down first: it stops the threads that forward worker logs to this process, so
+    # nothing can be printed after the reason and it stays the last line of the job's log.
+    if ray.is_initialized():
+        ray.shutdown()
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.write(f"{ERROR_PREFIX}{reason}\n")
+    sys.stderr.flush()
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

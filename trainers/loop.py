@@ -1,0 +1,271 @@
+"""The per-worker train loop of the built-in trainers (`mlp`, `gpt`), run by Ray Train on every rank.
+
+`trainers.launch` hands `train_loop_per_worker` to a `TorchTrainer`; read it top to bottom:
+
+1. Build the model from the spec (weights from the seed alone, the same on every rank), and if
+   Ray Train has a checkpoint for this run (a restarted worker group or a resubmitted job),
+   load model, optimizer, LR schedule, step, data position and RNG states from it.
+2. Wrap the model in DDP (gloo on CPU, nccl on GPU) and open this rank's dataset shard.
+3. Run optimizer steps until exactly `max_steps`; the loop owns the step count and starts a new
+   epoch of the shard whenever one runs out.
+4. Each step, record per-rank metrics (`STEP_METRICS`) with the `Reporter`.
+5. Every `checkpoint.every_steps` steps and at `max_steps`, every rank calls `ray.train.report`
+   (a barrier: all ranks call it the same number of times) and rank 0 attaches the checkpoint.
+
+Known gap: a resumed run continues with a fresh epoch of the shard rather than the exact next
+batch; the checkpoint already records the data position (epoch, batches_in_epoch,
+samples_consumed) for when the data order is made deterministic.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from service.spec import JobSpec, LaunchRequest
+from trainers.checkpoint import (
+    capture_rng_state,
+    checkpoint_dir_name,
+    checkpoint_uri,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+    unwrap_model,
+)
+from trainers.data import DatasetInfo, build_collate, iter_epochs
+from trainers.models import build_model, build_optimizer, compute_loss, grad_clip_of
+from trainers.report import Reporter
+
+logger = logging.getLogger(__name__)
+
+# The values every rank records for every step, in this order.
+STEP_METRICS = ("loss", "lr", "grad_norm", "samples_per_s", "step_time_s", "data_wait_s", "epoch")
+
+DATASET_NAME = "train"
+
+
+@dataclass(kw_only=True)
+class Progress:
+    """Where training stands; what a checkpoint must restore besides the tensors."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    samples_consumed: int = 0
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    request = LaunchRequest.model_validate(config["request"])
+    dataset = DatasetInfo.from_dict(config["dataset"])
+    spec = request.spec
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    _configure_logging(rank)
+
+    # 1. Model (and state to resume from). Initial weights depend on the seed only, not on the rank
+    # or world size, so a run is reproducible at any scale.
+    torch.manual_seed(spec.seed)
+    model = build_model(spec, row_shape=dataset.row_shape)
+    progress = Progress()
+    state = _load_latest_checkpoint()
+    if state is not None:
+        model.load_state_dict(state["model"])
+        progress = Progress(
+            step=state["step"],
+            epoch=state["epoch"],
+            batches_in_epoch=state["batches_in_epoch"],
+            samples_consumed=state["samples_consumed"],
+        )
+
+    # 2. DDP and optimizer. The optimizer is built after the model reached its device, so loading
+    # its state puts the moments on the same device as the parameters.
+    model = ray.train.torch.prepare_model(model)
+    optimizer, scheduler = build_optimizer(unwrap_model(model), spec=spec)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        _restore_rng(state, spec=spec, rank=rank, world_size=world_size)
+        if rank == 0:
+            logger.info("resumed from step %d (epoch %d)", progress.step, progress.epoch)
+        # A fresh pass over the shard: the exact data position is not restored yet (module docstring).
+        progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
+    else:
+        _seed_rank(spec.seed, rank=rank, step=0)
+
+    shard = ray.train.get_dataset_shard(DATASET_NAME)
+    batches = iter_epochs(
+        shard,
+        batch_size=spec.batch_size,
+        collate_fn=build_collate(spec, dataset),
+        start_epoch=progress.epoch,
+        device=ray.train.torch.get_device(),
+    )
+    grad_clip = grad_clip_of(spec) or math.inf
+    log_every = max(1, spec.max_steps // 50)
+
+    model.train()
+    with Reporter(report_url=request.report_url, attempt=request.attempt, rank=rank) as reporter:
+        # 3. Exactly max_steps optimizer steps.
+        while progress.step < spec.max_steps:
+            step_started = time.perf_counter()
+            epoch, batch = next(batches)
+            data_wait_s = time.perf_counter() - step_started
+            if epoch != progress.epoch:
+                progress.epoch, progress.batches_in_epoch = epoch, 0
+
+            loss = compute_loss(model, batch, spec=spec)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP all-reduces the gradients here
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            scheduler.step()
+
+            progress.step += 1
+            progress.batches_in_epoch += 1
+            progress.samples_consumed += spec.batch_size * world_size
+            step_time_s = time.perf_counter() - step_started
+
+            # 4. Metrics of this rank.
+            values = {
+                "loss": loss.item(),
+                "lr": float(lr),
+                "grad_norm": grad_norm.item(),
+                "samples_per_s": spec.batch_size / step_time_s,
+                "step_time_s": step_time_s,
+                "data_wait_s": data_wait_s,
+                "epoch": float(epoch),
+            }
+            reporter.record(progress.step, values)
+            if rank == 0 and (progress.step % log_every == 0 or progress.step in (1, spec.max_steps)):
+                logger.info(
+                    "step %d/%d epoch %d loss %.4f lr %.2e grad_norm %.3f %.0f samples/s (data wait %.0f%%)",
+                    progress.step,
+                    spec.max_steps,
+                    epoch,
+                    values["loss"],
+                    lr,
+                    values["grad_norm"],
+                    values["samples_per_s"],
+                    100 * data_wait_s / step_time_s,
+                )
+
+            # 5. Checkpoint.
+            every = spec.checkpoint.every_steps
+            if progress.step == spec.max_steps or (every is not None and progress.step % every == 0):
+                _checkpoint(
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    request=request,
+                    dataset=dataset,
+                    progress=progress,
+                    metrics={"step": progress.step, "samples_consumed": progress.samples_consumed, **values},
+                    rank=rank,
+                    reporter=reporter,
+                )
+
+
+def _checkpoint(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    request: LaunchRequest,
+    dataset: DatasetInfo,
+    progress: Progress,
+    metrics: dict[str, float],
+    rank: int,
+    reporter: Reporter,
+) -> None:
+    """Every rank calls this at the same steps (two collectives); rank 0 writes and announces the files."""
+    name = checkpoint_dir_name(progress.step)
+    rng = _gather_rng_states()
+    if rank != 0:
+        ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
+        return
+    with tempfile.TemporaryDirectory(prefix="apiary-checkpoint-") as directory:
+        save_checkpoint(
+            directory,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            spec=request.spec,
+            row_shape=dataset.row_shape,
+            step=progress.step,
+            epoch=progress.epoch,
+            batches_in_epoch=progress.batches_in_epoch,
+            samples_consumed=progress.samples_consumed,
+            rng=rng,
+        )
+        # Synchronous upload: when report() returns, the folder is in storage under `name`.
+        ray.train.report(
+            metrics, checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name
+        )
+    reporter.report_checkpoint(
+        progress.step,
+        checkpoint_uri(storage_uri=request.storage_uri, run_name=request.run_name, name=name),
+    )
+
+
+def _load_latest_checkpoint() -> dict[str, Any] | None:
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        return load_checkpoint(directory)
+
+
+def _gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's RNG states, in rank order (a collective: all ranks must call it)."""
+    mine = capture_rng_state()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [mine]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def _seed_rank(seed: int, *, rank: int, step: int) -> None:
+    """Seed python, numpy and torch from (seed, rank, step), so ranks draw different dropout masks."""
+    mixed = int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
+    random.seed(mixed)
+    np.random.seed(mixed)
+    torch.manual_seed(mixed)
+
+
+def _restore_rng(state: dict[str, Any], *, spec: JobSpec, rank: int, world_size: int) -> None:
+    if state["world_size"] == world_size:
+        restore_rng_state(state["rng"][rank])
+        return
+    if rank == 0:
+        logger.warning(
+            "checkpoint written by %d ranks, this run has %d: RNG reseeded from (seed, rank, step)",
+            state["world_size"],
+            world_size,
+        )
+    _seed_rank(spec.seed, rank=rank, step=state["step"])
+
+
+def _configure_logging(rank: int) -> None:
+    """Ray Train workers start with no handler for our loggers; rank 0 speaks at INFO, others warn."""
+    package_logger = logging.getLogger("trainers")
+    if not package_logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s"))
+        package_logger.addHandler(handler)
+        package_logger.propagate = False
+    package_logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
