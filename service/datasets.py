@@ -59,7 +59,14 @@ def write_shards(
 
 
 def write_token_dataset(
-    uri: str, *, num_shards: int, rows_per_shard: int, seq_len: int, vocab_size: int, seed: int = 0
+    uri: str,
+    *,
+    num_shards: int,
+    rows_per_shard: int,
+    seq_len: int,
+    vocab_size: int,
+    seed: int = 0,
+    s3_endpoint_url: str | None = None,
 ) -> list[str]:
     tables = [
         token_table(
@@ -71,11 +78,18 @@ def write_token_dataset(
         )
         for shard in range(num_shards)
     ]
-    return write_shards(tables, uri)
+    return write_shards(tables, uri, s3_endpoint_url=s3_endpoint_url)
 
 
 def write_classification_dataset(
-    uri: str, *, num_shards: int, rows_per_shard: int, num_features: int, num_classes: int, seed: int = 0
+    uri: str,
+    *,
+    num_shards: int,
+    rows_per_shard: int,
+    num_features: int,
+    num_classes: int,
+    seed: int = 0,
+    s3_endpoint_url: str | None = None,
 ) -> list[str]:
     tables = [
         classification_table(
@@ -87,4 +101,4 @@ def write_classification_dataset(
         )
         for shard in range(num_shards)
     ]
-    return write_shards(tables, uri)
+    return write_shards(tables, uri, s3_endpoint_url=s3_endpoint_url)

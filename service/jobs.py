@@ -25,7 +25,9 @@ def gang_for(job_id: int, spec: JobSpec, *, data_cpus: float) -> Gang:
         job_id=job_id,
         queue=spec.queue.value,
         priority=spec.priority,
-        num_workers=spec.num_workers,
+        # Admission needs the min gang of an elastic job (service.policy glossary: elastic gang).
+        num_workers=spec.min_workers,
+        max_workers=spec.max_workers if spec.is_elastic else None,
         per_worker=dict(spec.resources_per_worker),
         extra={"CPU": data_cpus},
     )
@@ -131,7 +133,7 @@ class JobService:
         gang = gang_for(0, spec, data_cpus=self.settings.data_cpus_per_job)
         if not fits_empty_cluster(cluster, gang):
             raise Unschedulable(
-                f"the job needs {spec.num_workers} worker(s) x {spec.resources_per_worker} "
+                f"the job needs {spec.min_workers} worker(s) x {spec.resources_per_worker} "
                 f"plus {self.settings.data_cpus_per_job:g} CPU for data loading, but the cluster has "
                 f"{capacity_text(cluster)}: use fewer workers or smaller resources_per_worker",
                 field="num_workers",

@@ -8,6 +8,14 @@ Glossary:
 - gang: a job's whole worker group (`num_workers` bundles of
   `resources_per_worker`) plus its `extra` (Ray Data's CPUs). It is admitted all
   at once or not at all.
+- elastic gang: a job with `num_workers: {min, max}` (Ray Train's elastic
+  training). Admission needs only its MIN gang to fit: waiting for max would
+  hold a job back that can already train. Once active it is counted at its MAX
+  (as many of its extra workers as still fit, placed after every fixed
+  part): Ray Train grows the group whenever capacity is free and never shrinks
+  it for another job, so capacity an elastic job may take is not promised to a
+  queued one. An elastic job therefore never makes an admitted job wait in Ray,
+  at the price of leaving capacity idle while the elastic job has not grown.
 - capacity: each alive node's total schedulable resources. Free capacity is
   capacity minus the gangs of active (admitted or running) jobs, placed
   first-fit node by node, so a gang that fits the cluster's sum but no node
@@ -44,13 +52,19 @@ class Gang:
     job_id: int
     queue: str
     priority: int
-    num_workers: int
+    num_workers: int  # the workers admission needs: a fixed group's size, an elastic group's min
     per_worker: Mapping[str, float]
     extra: Mapping[str, float] = field(default_factory=dict)
+    max_workers: int | None = None  # an elastic group's max; None = fixed at num_workers
 
     def bundles(self) -> list[Mapping[str, float]]:
+        """What admission must place: `num_workers` workers and the extra."""
         bundles = [self.per_worker] * self.num_workers
         return [*bundles, self.extra] if any(self.extra.values()) else bundles
+
+    def growth(self) -> list[Mapping[str, float]]:
+        """The workers an elastic gang may add beyond `num_workers` (none for a fixed gang)."""
+        return [self.per_worker] * max(0, (self.max_workers or 0) - self.num_workers)
 
     def total(self) -> dict[str, float]:
         total: dict[str, float] = {}
@@ -78,7 +92,10 @@ def decide(
     free = [dict(node.resources) for node in cluster.nodes]
     for gang in active:
         # Active gangs were admitted when they fitted; place them as Ray would have (best effort).
-        _place(free, gang, allow_partial=True)
+        _place(free, gang.bundles(), allow_partial=True)
+    for gang in active:
+        # What elastic gangs may grow into is not free for queued gangs (glossary: elastic gang).
+        _place(free, gang.growth(), allow_partial=True)
     admitted: list[int] = []
     waiting: dict[int, str] = {}
     blocked_by: Gang | None = None
@@ -88,7 +105,7 @@ def decide(
                 f"waiting behind job {blocked_by.job_id} (higher priority or older); {position} job(s) ahead"
             )
             continue
-        if _place(free, gang, allow_partial=False):
+        if _place(free, gang.bundles(), allow_partial=False):
             admitted.append(gang.job_id)
             continue
         blocked_by = gang
@@ -98,17 +115,19 @@ def decide(
 
 def fits_empty_cluster(cluster: ClusterSnapshot, gang: Gang) -> bool:
     """Could this gang ever run here, with nothing else running?"""
-    return _place([dict(node.resources) for node in cluster.nodes], gang, allow_partial=False)
+    return _place([dict(node.resources) for node in cluster.nodes], gang.bundles(), allow_partial=False)
 
 
 def capacity_text(cluster: ClusterSnapshot) -> str:
     return f"{len(cluster.nodes)} node(s) with {_fmt(_sum([dict(n.resources) for n in cluster.nodes]))}"
 
 
-def _place(free: list[dict[str, float]], gang: Gang, *, allow_partial: bool) -> bool:
-    """First-fit every bundle of the gang; on failure undo (unless partial placement is allowed)."""
+def _place(
+    free: list[dict[str, float]], bundles: Sequence[Mapping[str, float]], *, allow_partial: bool
+) -> bool:
+    """First-fit every bundle; on failure undo (unless partial placement is allowed)."""
     taken: list[tuple[int, Mapping[str, float]]] = []
-    for bundle in gang.bundles():
+    for bundle in bundles:
         node_index = next((i for i, node in enumerate(free) if _fits(node, bundle)), None)
         if node_index is None:
             if allow_partial:

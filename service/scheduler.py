@@ -170,7 +170,11 @@ class Scheduler:
                 job,
                 JobState.ADMITTED,
                 actor="scheduler",
-                reason=f"gang of {job.spec['num_workers']} worker(s) fits; submitting attempt {attempt}",
+                # An elastic job is admitted on its min gang (service.policy glossary: elastic gang).
+                reason=(
+                    f"gang of {JobSpec.model_validate(job.spec).min_workers} worker(s) fits; "
+                    f"submitting attempt {attempt}"
+                ),
                 attempt=attempt,
                 ray_submission_id=submission_id,
             )
@@ -184,7 +188,15 @@ class Scheduler:
                 data_cpus=self.settings.data_cpus_per_job,
                 s3_endpoint_url=self.settings.s3_endpoint_url,
             )
-        env_vars = {LAUNCH_ENV_VAR: launch.to_env(), "PYTHONUNBUFFERED": "1", "RAY_CHDIR_TO_TRIAL_DIR": "0"}
+        env_vars = {
+            LAUNCH_ENV_VAR: launch.to_env(),
+            "PYTHONUNBUFFERED": "1",
+            "RAY_CHDIR_TO_TRIAL_DIR": "0",
+            # S3 credentials for the driver, the Train workers and the Ray Data tasks, on every node.
+            # They go in the runtime_env only, never in the launch request (which Ray Train logs and
+            # stores) nor in any log line here.
+            **self.settings.job_aws_env(),
+        }
         try:
             self.backend.submit(
                 submission_id=submission_id, entrypoint=trainer_entrypoint(), env_vars=env_vars

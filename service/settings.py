@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -21,6 +21,20 @@ class Settings(BaseSettings):
         default=None, description="Checkpoint root; default {data_dir}/checkpoints."
     )
     s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, moto).")
+    # The usual AWS variables (no APIARY_ prefix), read here so that the scheduler can hand them to
+    # each job: a job's runtime_env reaches its driver, Train workers and Ray Data tasks on every node,
+    # which the service's own environment does not on a cluster that Apiary did not start.
+    aws_access_key_id: str | None = Field(default=None, validation_alias="AWS_ACCESS_KEY_ID")
+    aws_secret_access_key: SecretStr | None = Field(default=None, validation_alias="AWS_SECRET_ACCESS_KEY")
+    aws_session_token: SecretStr | None = Field(default=None, validation_alias="AWS_SESSION_TOKEN")
+    aws_region: str | None = Field(
+        default=None, validation_alias=AliasChoices("AWS_REGION", "AWS_DEFAULT_REGION")
+    )
+    forward_aws_env: bool = Field(
+        default=True,
+        description="Pass the AWS variables above to every job (off when the cluster's nodes have their "
+        "own credentials, e.g. an instance role). Ray shows a job's runtime_env to its dashboard's readers.",
+    )
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -54,3 +68,19 @@ class Settings(BaseSettings):
     @property
     def resolved_public_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+    def job_aws_env(self) -> dict[str, str]:
+        """The AWS variables a job's processes get (only those set; none with `forward_aws_env` off)."""
+        if not self.forward_aws_env:
+            return {}
+        values = {
+            "AWS_ACCESS_KEY_ID": self.aws_access_key_id,
+            "AWS_SECRET_ACCESS_KEY": _secret(self.aws_secret_access_key),
+            "AWS_SESSION_TOKEN": _secret(self.aws_session_token),
+            "AWS_REGION": self.aws_region,
+        }
+        return {key: value for key, value in values.items() if value}
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return value.get_secret_value() if value is not None else None

@@ -23,11 +23,20 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 LAUNCH_ENV_VAR = "APIARY_LAUNCH"
 
 BUILTIN_TRAINERS = ("mlp", "gpt")
+MAX_WORKERS = 1024
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _RESOURCE = re.compile(r"^[A-Za-z_][A-Za-z0-9_:.-]{0,63}$")
@@ -49,7 +58,11 @@ class _Strict(BaseModel):
 
 class DatasetSpec(_Strict):
     uri: str = Field(description="Folder or file of shards: file:///abs/path or s3://bucket/prefix.")
-    format: Literal["parquet"] = "parquet"
+    format: Literal["parquet", "webdataset"] = "parquet"
+    shuffle: bool = Field(default=True, description="Shuffle shards and samples by (seed, epoch).")
+    shuffle_buffer_rows: int = Field(
+        default=1024, ge=1, description="Samples are shuffled within a window of this many rows."
+    )
 
     @field_validator("uri")
     @classmethod
@@ -100,6 +113,27 @@ class GPTConfig(_Strict):
 
 BUILTIN_CONFIGS: dict[str, type[BaseModel]] = {"mlp": MLPConfig, "gpt": GPTConfig}
 
+_WORKER_COUNT: TypeAdapter[int] = TypeAdapter(Annotated[int, Field(ge=1, le=MAX_WORKERS)])
+
+
+class ElasticWorkers(_Strict):
+    """`num_workers: {min, max}`: Ray Train's elastic training runs the job on min to max workers.
+
+    Admission needs the min gang to fit; Ray Train then grows the group towards max whenever the
+    cluster has room, and shrinks it (down to min) when a worker's node is lost, restarting the
+    group from the latest checkpoint each time. `batch_size` stays per worker, so the global batch
+    follows the group's size.
+    """
+
+    min: int = Field(ge=1, le=MAX_WORKERS)
+    max: int = Field(ge=1, le=MAX_WORKERS)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ElasticWorkers:
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
+        return self
+
 
 class JobSpec(_Strict):
     """A distributed training job, as a user submits it (JSON or YAML)."""
@@ -108,9 +142,12 @@ class JobSpec(_Strict):
     queue: Queue = Queue.RESEARCH
     priority: int = Field(default=0, description="Higher wins within a queue.")
     trainer: str = Field(description="'mlp', 'gpt', or an importable 'package.module:function'.")
-    num_workers: int = Field(ge=1, le=1024)
+    num_workers: int | ElasticWorkers = Field(
+        description="Workers of the group: a number, or {min, max} for elastic training (see ElasticWorkers)."
+    )
     resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
     strategy: Strategy = Strategy.DDP
+    precision: Literal["fp32", "bf16"] = Field(default="fp32", description="bf16 = autocast (CPU too).")
     dataset: DatasetSpec
     max_steps: int = Field(ge=1)
     batch_size: int = Field(ge=1, description="Samples per worker per step.")
@@ -135,6 +172,17 @@ class JobSpec(_Strict):
             raise ValueError(f"must be one of {', '.join(BUILTIN_TRAINERS)} or 'package.module:function'")
         return trainer
 
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _num_workers(cls, value: Any) -> int | ElasticWorkers:
+        # Validated here rather than by the union, whose errors would name each member of it.
+        try:
+            if isinstance(value, dict | ElasticWorkers):
+                return ElasticWorkers.model_validate(value)
+            return _WORKER_COUNT.validate_python(value)
+        except ValueError as err:
+            raise ValueError(_first_error(err)) from None
+
     @field_validator("resources_per_worker")
     @classmethod
     def _resources(cls, resources: dict[str, float]) -> dict[str, float]:
@@ -146,13 +194,6 @@ class JobSpec(_Strict):
         if not any(amount > 0 for amount in resources.values()):
             raise ValueError("at least one resource must be > 0 (e.g. {'CPU': 1})")
         return resources
-
-    @field_validator("strategy")
-    @classmethod
-    def _strategy(cls, strategy: Strategy) -> Strategy:
-        if strategy is Strategy.FSDP:
-            raise ValueError("fsdp is not supported yet; use 'ddp'")
-        return strategy
 
     @field_validator("config")
     @classmethod
@@ -169,9 +210,24 @@ class JobSpec(_Strict):
     def uses_gpu(self) -> bool:
         return self.resources_per_worker.get("GPU", 0) > 0
 
-    def gang_resources(self) -> dict[str, float]:
-        """What the whole worker group needs at once."""
-        return {key: amount * self.num_workers for key, amount in self.resources_per_worker.items()}
+    @property
+    def min_workers(self) -> int:
+        """The workers the job cannot start without (a fixed group's size, an elastic group's min)."""
+        return self.num_workers.min if isinstance(self.num_workers, ElasticWorkers) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers the job runs on (a fixed group's size, an elastic group's max)."""
+        return self.num_workers.max if isinstance(self.num_workers, ElasticWorkers) else self.num_workers
+
+    @property
+    def is_elastic(self) -> bool:
+        return self.min_workers < self.max_workers
+
+    def gang_resources(self, *, num_workers: int | None = None) -> dict[str, float]:
+        """What a worker group of `num_workers` needs at once; by default the smallest, `min_workers`."""
+        count = self.min_workers if num_workers is None else num_workers
+        return {key: amount * count for key, amount in self.resources_per_worker.items()}
 
     def trainer_config(self) -> BaseModel | None:
         schema = BUILTIN_CONFIGS.get(self.trainer)

@@ -4,17 +4,40 @@ Dataset and checkpoint URIs are `file:///abs/path` (or a bare absolute path) and
 S3 credentials come from the usual AWS variables, and `APIARY_S3_ENDPOINT_URL` names an S3-compatible
 endpoint (MinIO, moto). Like `service.spec`, this module needs only pyarrow: a URI that the API
 accepts resolves the same way in the trainer.
+
+A dataset folder may hold a manifest, `_manifest.json` (written by `apiary data shard`, see
+`service.sharding`), listing every shard with its rows, size and sha256:
+
+    {"format_version": 1, "format": "parquet" | "webdataset", "num_rows": N,
+     "schema": {"column": "arrow type", ...}, "schema_ipc": "<base64 Arrow IPC schema>",
+     "shards": [{"path": "shard-00000.parquet", "num_rows": n, "size_bytes": b, "sha256": "hex",
+                 "row_groups": [rows, ...]  # parquet only: rows per row group, the units of resume
+                }, ...]}
+
+Shard paths are relative to the folder. A manifest is written last, so its presence means the shards
+are complete; the trainer checks every shard against it before any worker starts (`validate_manifest`).
+A folder without one (shards written by other tools) is scanned instead: `list_shards`.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
 from urllib.parse import unquote, urlparse
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from service.errors import DatasetError
 
-SHARD_SUFFIXES = {"parquet": ".parquet"}
+SHARD_SUFFIXES = {"parquet": ".parquet", "webdataset": ".tar"}
+MANIFEST_NAME = "_manifest.json"
+MANIFEST_VERSION = 1
+_HASH_CHUNK_BYTES = 8 << 20
 
 
 def resolve_uri(uri: str, *, s3_endpoint_url: str | None = None) -> tuple[str, pafs.FileSystem]:
@@ -60,6 +83,9 @@ def list_shards(
     """The shard files at `uri` (one file, or a folder searched recursively), sorted by path.
 
     Raises `DatasetError` (a ValueError, HTTP 422 at submission) when there are none.
+
+    With a manifest, the shards are the manifest's (in its order), after checking that its format is
+    the job's and that each shard exists with the recorded size (metadata calls only, no data read).
     """
     suffix = SHARD_SUFFIXES[data_format]
     path, filesystem = resolve_uri(uri, s3_endpoint_url=s3_endpoint_url)
@@ -71,6 +97,15 @@ def list_shards(
         raise DatasetError(f"dataset {uri} does not exist")
     if info.type == pafs.FileType.File:
         return [path], filesystem
+    manifest = read_manifest(uri, s3_endpoint_url=s3_endpoint_url)
+    if manifest is not None:
+        if manifest.format != data_format:
+            raise DatasetError(
+                f"dataset {uri}: its {MANIFEST_NAME} says format {manifest.format!r}, "
+                f"the job says {data_format!r}"
+            )
+        validate_manifest(manifest, uri=uri, s3_endpoint_url=s3_endpoint_url, verify_checksums=False)
+        return [f"{path}/{shard.path}" for shard in manifest.shards], filesystem
     selector = pafs.FileSelector(path, recursive=True)
     files = sorted(
         entry.path
@@ -87,3 +122,136 @@ def list_shards(
 
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
+
+
+# ---------------------------------------------------------------------------------------------------
+# Manifest
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardEntry:
+    path: str  # relative to the dataset folder
+    num_rows: int
+    size_bytes: int
+    sha256: str
+    # Rows per parquet row group, in file order; empty for webdataset (a tar shard is one unit).
+    row_groups: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    format: str
+    num_rows: int
+    schema: dict[str, str]
+    schema_ipc: str
+    shards: list[ShardEntry]
+    format_version: int = MANIFEST_VERSION
+
+    def arrow_schema(self) -> pa.Schema:
+        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(self.schema_ipc)))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        return cls(
+            format=data["format"],
+            num_rows=int(data["num_rows"]),
+            schema=dict(data["schema"]),
+            schema_ipc=data["schema_ipc"],
+            shards=[ShardEntry(**shard) for shard in data["shards"]],
+            format_version=int(data["format_version"]),
+        )
+
+
+def schema_fields(schema: pa.Schema) -> tuple[dict[str, str], str]:
+    """The manifest's two views of a schema: readable types, and the exact Arrow IPC bytes (base64)."""
+    readable = {name: str(schema.field(name).type) for name in schema.names}
+    return readable, base64.b64encode(schema.serialize().to_pybytes()).decode("ascii")
+
+
+def read_manifest(uri: str, *, s3_endpoint_url: str | None = None) -> Manifest | None:
+    """The manifest of the dataset folder at `uri`, or None when it has none.
+
+    Raises `DatasetError` when a manifest exists but cannot be parsed.
+    """
+    root, filesystem = resolve_uri(uri, s3_endpoint_url=s3_endpoint_url)
+    location = f"{root}/{MANIFEST_NAME}"
+    try:
+        if filesystem.get_file_info(location).type != pafs.FileType.File:
+            return None
+        with filesystem.open_input_stream(location) as stream:
+            raw = stream.read()
+    except OSError as err:
+        raise DatasetError(f"dataset {uri}: {MANIFEST_NAME} cannot be read: {_one_line(err)}") from err
+    try:
+        manifest = Manifest.from_dict(json.loads(raw))
+    except (ValueError, KeyError, TypeError) as err:
+        raise DatasetError(
+            f"dataset {uri}: {MANIFEST_NAME} is not a valid manifest: {_one_line(err)}"
+        ) from err
+    if manifest.format_version != MANIFEST_VERSION:
+        raise DatasetError(
+            f"dataset {uri}: {MANIFEST_NAME} has format_version {manifest.format_version}, "
+            f"this Apiary reads {MANIFEST_VERSION}"
+        )
+    return manifest
+
+
+def write_manifest(manifest: Manifest, uri: str, *, s3_endpoint_url: str | None = None) -> str:
+    """Write `_manifest.json` into the dataset folder at `uri`; returns its path."""
+    root, filesystem = resolve_uri(uri, s3_endpoint_url=s3_endpoint_url)
+    location = f"{root}/{MANIFEST_NAME}"
+    with filesystem.open_output_stream(location) as stream:
+        stream.write(manifest.to_json().encode())
+    return location
+
+
+def sha256_of(path: str, filesystem: pafs.FileSystem) -> str:
+    digest = hashlib.sha256()
+    with filesystem.open_input_stream(path) as stream:
+        while chunk := stream.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def validate_manifest(
+    manifest: Manifest,
+    *,
+    uri: str,
+    s3_endpoint_url: str | None = None,
+    verify_checksums: bool = True,
+    max_threads: int = 8,
+) -> None:
+    """Check every shard of `manifest` against the files at `uri`: present, same size, same sha256.
+
+    The checksum pass reads every byte once (threads overlap object-store latency); without it only
+    metadata is read. Raises `DatasetError` naming the first bad shard.
+    """
+    root, filesystem = resolve_uri(uri, s3_endpoint_url=s3_endpoint_url)
+    if sum(shard.num_rows for shard in manifest.shards) != manifest.num_rows:
+        raise DatasetError(f"dataset {uri}: {MANIFEST_NAME} rows per shard do not add up to num_rows")
+    paths = [f"{root}/{shard.path}" for shard in manifest.shards]
+    try:
+        infos = filesystem.get_file_info(paths)
+    except OSError as err:
+        raise DatasetError(f"dataset {uri} cannot be read: {_one_line(err)}") from err
+    for shard, info in zip(manifest.shards, infos, strict=True):
+        if info.type != pafs.FileType.File:
+            raise DatasetError(f"dataset {uri}: shard {shard.path} is listed in {MANIFEST_NAME} but missing")
+        if info.size != shard.size_bytes:
+            raise DatasetError(
+                f"dataset {uri}: shard {shard.path} has {info.size} bytes, {MANIFEST_NAME} says "
+                f"{shard.size_bytes} (corrupt or rewritten)"
+            )
+    if not verify_checksums:
+        return
+    with ThreadPoolExecutor(max_workers=max(1, min(max_threads, len(paths)))) as pool:
+        digests = list(pool.map(lambda path: sha256_of(path, filesystem), paths))
+    for shard, digest in zip(manifest.shards, digests, strict=True):
+        if digest != shard.sha256:
+            raise DatasetError(
+                f"dataset {uri}: shard {shard.path} fails its sha256 check against {MANIFEST_NAME} (corrupt)"
+            )

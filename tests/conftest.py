@@ -2,19 +2,29 @@
 
 PostgreSQL: APIARY_TEST_PG_URL (default postgresql+psycopg://postgres@127.0.0.1:5432/postgres) is
 the server used to create and drop test databases. `.ci/run` makes sure it is running.
+
+S3: `s3_server` runs the venv's `moto_server` (moto 5.2.5: the system's 5.2.1 breaks pyarrow's
+multipart writes) on a free loopback port for the whole session, with the buckets in `S3_BUCKETS`;
+`s3` also points the AWS variables and APIARY_S3_ENDPOINT_URL of one test at it.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from service.cluster import free_port
 from service.datasets import write_classification_dataset
 
 PG_ADMIN_URL = os.environ.get("APIARY_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -54,3 +64,85 @@ def classification_dataset(tmp_path: Path) -> str:
     uri = f"file://{tmp_path / 'dataset'}"
     write_classification_dataset(uri, num_shards=2, rows_per_shard=64, num_features=8, num_classes=3)
     return uri
+
+
+S3_BUCKETS = ("apiary-datasets", "apiary-checkpoints")
+# moto accepts any credentials; fixed fake ones keep the AWS SDK from looking further (instance metadata).
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "apiary-test",
+    "AWS_SECRET_ACCESS_KEY": "apiary-test-secret",
+    "AWS_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real S3 server (moto) on 127.0.0.1 for the session, with `S3_BUCKETS`; yields its endpoint URL."""
+    import boto3
+
+    moto_server = Path(sys.executable).parent / "moto_server"
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [str(moto_server), "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                tail = log.read_text()[-2000:]
+                raise RuntimeError(f"moto_server exited with {process.returncode}:\n{tail}")
+            try:
+                httpx.get(f"{endpoint}/moto-api/", timeout=2)
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"moto_server did not answer on {endpoint}") from None
+                time.sleep(0.2)
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name=S3_ENV["AWS_REGION"],
+            aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+        )
+        for bucket in S3_BUCKETS:
+            client.create_bucket(Bucket=bucket)
+        yield endpoint
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@dataclass(frozen=True)
+class S3:
+    endpoint_url: str
+    # A fresh prefix per test in each bucket: the server (and its buckets) live for the whole session.
+    datasets_uri: str
+    checkpoints_uri: str
+    env: dict[str, str]
+
+
+@pytest.fixture
+def s3(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> S3:
+    """The session's S3 server, with this test's AWS variables and APIARY_S3_ENDPOINT_URL pointing at it."""
+    env = {**S3_ENV, "APIARY_S3_ENDPOINT_URL": s3_server}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    prefix = uuid.uuid4().hex[:12]
+    return S3(
+        endpoint_url=s3_server,
+        datasets_uri=f"s3://{S3_BUCKETS[0]}/{prefix}",
+        checkpoints_uri=f"s3://{S3_BUCKETS[1]}/{prefix}",
+        env=env,
+    )

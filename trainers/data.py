@@ -1,34 +1,55 @@
 """Datasets: where the shards are, what their rows look like, and how a worker turns them into batches.
 
-The driver (`trainers.launch`) calls `inspect_dataset` before any worker starts: it lists the parquet
-files and reads only their footers (schema, row counts) and one row, so a wrong URI, a missing column
-or a dataset too small for one step fails in seconds with a message the user can act on, not as a
-traceback inside a worker. The worker side is `iter_epochs`, which yields batches forever, counting
-epochs, because the train loop (not the data) owns the step count.
+The driver (`trainers.launch`) calls `inspect_dataset` before any worker starts. With a manifest
+(`_manifest.json`, written by `apiary data shard`) it checks every shard's presence, size and sha256
+first, so a missing or corrupt shard fails the job in seconds with `apiary-error: ...`, not as a hang
+or a traceback inside a worker. Without one it lists the files and reads only parquet footers (or
+tar member names) and one row. Either way it learns the read units (parquet row groups, or whole tar
+shards) with their row counts: the input of the deterministic order (`trainers.data_order`).
+
+The worker side is `iter_batches_for_rank`: (epoch, batch) forever from a data position, read
+through Ray Data in an order that is a function of (seed, epoch, world size) only
+(`trainers.data_stream`); the train loop, not the data, owns the step count.
+
+Formats: `parquet` shards, and `webdataset` `.tar` shards in the layout of `service.sharding`.
 
 Row formats of the built-in trainers:
 - `mlp`: `features` (a list of numbers, the same length in every row) and `label` (an integer class
   for classification, a number for regression).
 - `gpt`: `tokens` (a list of integer token ids, the same length L >= 2 in every row).
+
+An `id` column, when present, is the sample id that `APIARY_DATA_TRACE_DIR` records (see
+`maybe_trace_ids`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import torch
 from ray.data.collate_fn import ArrowBatchCollateFn
 
 from service.errors import DatasetError
+from service.sharding import count_webdataset_samples, iter_webdataset_samples
 from service.spec import GPTConfig, JobSpec, MLPConfig
-from service.storage import list_shards
+from service.storage import Manifest, list_shards, read_manifest, validate_manifest
+from trainers.data_order import Unit
+from trainers.data_stream import iter_rank_batches
+
+# Where every rank appends the sample ids of its batches (one JSON line per step), when set.
+TRACE_ENV_VAR = "APIARY_DATA_TRACE_DIR"
+ID_COLUMN = "id"
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +66,12 @@ class DatasetInfo:
     row_shape: dict[str, int] = field(default_factory=dict)
     # The columns the trainer reads (a built-in's); None reads them all (a custom trainer's).
     read_columns: list[str] | None = None
+    format: str = "parquet"
+    # Read units in canonical order, as [file index, part (row group; -1 = whole tar), rows].
+    units: list[list[int]] = field(default_factory=list)
+
+    def read_units(self) -> list[Unit]:
+        return [Unit(file, part, rows) for file, part, rows in self.units]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,24 +81,36 @@ class DatasetInfo:
         return cls(**data)
 
 
-def inspect_dataset(spec: JobSpec, *, s3_endpoint_url: str | None = None) -> DatasetInfo:
-    """Check that the job's dataset can feed its trainer, reading footers and one row only.
+def inspect_dataset(
+    spec: JobSpec, *, s3_endpoint_url: str | None = None, verify_checksums: bool = True
+) -> DatasetInfo:
+    """Check that the job's dataset can feed its trainer, reading footers (or tar headers) and one row.
 
-    Raises `DatasetError` (a `ValueError`) with a one-line reason when it cannot.
+    With a manifest, every shard is first checked against it (size, and sha256 unless
+    `verify_checksums` is False). Raises `DatasetError` (a `ValueError`) with a one-line reason.
     """
     uri = spec.dataset.uri
-    files, filesystem = list_shards(uri, s3_endpoint_url=s3_endpoint_url)
-    try:
-        dataset = pads.dataset(files, filesystem=filesystem, format="parquet")
-        num_rows = dataset.count_rows()
-    except (OSError, pa.ArrowInvalid) as err:
-        raise DatasetError(f"dataset {uri} is not readable parquet: {_one_line(err)}") from err
-    schema = dataset.schema
-    rows_per_step = spec.num_workers * spec.batch_size
+    data_format = spec.dataset.format
+    files, filesystem = list_shards(uri, data_format=data_format, s3_endpoint_url=s3_endpoint_url)
+    # None for a single file and for a folder written by other tools; list_shards checked the format.
+    manifest = read_manifest(uri, s3_endpoint_url=s3_endpoint_url)
+    if manifest is not None:
+        validate_manifest(
+            manifest, uri=uri, s3_endpoint_url=s3_endpoint_url, verify_checksums=verify_checksums
+        )
+    if data_format == "parquet":
+        schema, units, first_row = _parquet_layout(files, filesystem=filesystem, uri=uri, manifest=manifest)
+    else:
+        schema, units, first_row = _webdataset_layout(
+            files, filesystem=filesystem, uri=uri, manifest=manifest
+        )
+    num_rows = sum(rows for _, _, rows in units)
+    # An elastic job may grow to max_workers: the dataset must feed one step of the largest group.
+    rows_per_step = spec.max_workers * spec.batch_size
     if num_rows < rows_per_step:
         raise DatasetError(
             f"dataset {uri} has {num_rows} rows but one step needs num_workers x batch_size = "
-            f"{spec.num_workers} x {spec.batch_size} = {rows_per_step}"
+            f"{spec.max_workers} x {spec.batch_size} = {rows_per_step}"
         )
     row_shape: dict[str, int] = {}
     read_columns: list[str] | None = None
@@ -81,11 +120,11 @@ def inspect_dataset(spec: JobSpec, *, s3_endpoint_url: str | None = None) -> Dat
         _require_list_column(schema, uri=uri, name="features", numeric=True)
         label_ok = pa.types.is_integer if config.task == "classification" else _is_number
         _require_column(schema, uri=uri, name="label", ok=label_ok, want=_label_type(config))
-        row_shape["input_size"] = _first_row_length(dataset, uri=uri, name="features")
+        row_shape["input_size"] = _first_row_length(first_row, uri=uri, name="features")
     elif isinstance(config, GPTConfig):
         read_columns = ["tokens"]
         _require_list_column(schema, uri=uri, name="tokens", numeric=False)
-        seq_len = _first_row_length(dataset, uri=uri, name="tokens")
+        seq_len = _first_row_length(first_row, uri=uri, name="tokens")
         if seq_len < 2:
             raise DatasetError(f"dataset {uri}: rows of 'tokens' need at least 2 ids, got {seq_len}")
         row_shape["seq_len"] = seq_len
@@ -96,7 +135,72 @@ def inspect_dataset(spec: JobSpec, *, s3_endpoint_url: str | None = None) -> Dat
         num_rows=num_rows,
         row_shape=row_shape,
         read_columns=read_columns,
+        format=data_format,
+        units=units,
     )
+
+
+def _parquet_layout(
+    files: list[str], *, filesystem: pafs.FileSystem, uri: str, manifest: Manifest | None
+) -> tuple[pa.Schema, list[list[int]], pa.Table]:
+    """(schema, units, first row) of parquet shards; row groups from the manifest or the footers."""
+    units: list[list[int]] = []
+    try:
+        if manifest is not None and all(shard.row_groups for shard in manifest.shards):
+            for index, shard in enumerate(manifest.shards):
+                units.extend([index, group, rows] for group, rows in enumerate(shard.row_groups))
+            schema = manifest.arrow_schema()
+        else:
+            schema = None
+            for index, path in enumerate(files):
+                metadata = pq.read_metadata(path, filesystem=filesystem)
+                schema = schema or metadata.schema.to_arrow_schema()
+                units.extend(
+                    [index, group, metadata.row_group(group).num_rows]
+                    for group in range(metadata.num_row_groups)
+                    if metadata.row_group(group).num_rows
+                )
+        first_unit = next((unit for unit in units if unit[2] > 0), None)
+        if schema is None or first_unit is None:
+            raise DatasetError(f"dataset {uri} has no rows")
+        first_file = pq.ParquetFile(filesystem.open_input_file(files[first_unit[0]]))
+        first_row = first_file.read_row_group(first_unit[1]).slice(0, 1)
+    except (OSError, pa.ArrowInvalid) as err:
+        raise DatasetError(f"dataset {uri} is not readable parquet: {_one_line(err)}") from err
+    return schema, units, first_row
+
+
+def _webdataset_layout(
+    files: list[str], *, filesystem: pafs.FileSystem, uri: str, manifest: Manifest | None
+) -> tuple[pa.Schema, list[list[int]], pa.Table]:
+    """(schema, units, first row) of tar shards; rows from the manifest or by scanning member names."""
+    try:
+        if manifest is not None:
+            counts = [shard.num_rows for shard in manifest.shards]
+        else:
+            counts = []
+            for path in files:
+                with filesystem.open_input_stream(path) as stream:
+                    counts.append(count_webdataset_samples(stream))
+        first_index = next((index for index, count in enumerate(counts) if count), None)
+        if first_index is None:
+            raise DatasetError(f"dataset {uri} has no samples")
+        with filesystem.open_input_stream(files[first_index]) as stream:
+            sample = next(iter_webdataset_samples(stream))
+    except (OSError, ValueError) as err:
+        if isinstance(err, DatasetError):
+            raise
+        raise DatasetError(f"dataset {uri} is not a readable webdataset: {_one_line(err)}") from err
+    first_row = pa.table(
+        {
+            name: pa.array([value.tolist() if isinstance(value, np.ndarray) else value])
+            for name, value in sample.items()
+        }
+    )
+    if manifest is not None:
+        first_row = first_row.cast(manifest.arrow_schema())
+    units = [[index, -1, count] for index, count in enumerate(counts) if count]
+    return first_row.schema, units, first_row
 
 
 def _is_number(data_type: pa.DataType) -> bool:
@@ -135,8 +239,8 @@ def _require_list_column(schema: pa.Schema, *, uri: str, name: str, numeric: boo
     _require_column(schema, uri=uri, name=name, ok=ok, want=f"a list of {item}")
 
 
-def _first_row_length(dataset: pads.Dataset, *, uri: str, name: str) -> int:
-    first = dataset.head(1, columns=[name]).column(name)[0]
+def _first_row_length(first_row: pa.Table, *, uri: str, name: str) -> int:
+    first = first_row.column(name)[0]
     if not first.is_valid:
         raise DatasetError(f"dataset {uri}: the first row of {name!r} is null")
     return len(first)
@@ -225,32 +329,92 @@ def build_collate(spec: JobSpec, info: DatasetInfo) -> ArrowBatchCollateFn:
     raise ValueError(f"trainer {spec.trainer!r} has no built-in collate function")
 
 
-class EmptyEpochError(DatasetError):
-    """A rank's shard produced no full batch in an epoch, so the step count could never be reached."""
-
-
-def iter_epochs(
-    shard: Any,
+def iter_batches_for_rank(
+    spec: JobSpec,
+    info: DatasetInfo,
     *,
-    batch_size: int,
+    rank: int,
+    world_size: int,
     collate_fn: ArrowBatchCollateFn,
     start_epoch: int = 0,
-    device: torch.device | str = "auto",
+    start_sample: int = 0,
+    device: torch.device | str = "cpu",
+    s3_endpoint_url: str | None = None,
+    data_cpus: float | None = None,
+    trace_name: str | None = None,
 ) -> Iterator[tuple[int, Batch]]:
-    """Yield (epoch, full batch) from a Ray Train dataset shard forever, starting a new epoch when one ends.
+    """Yield (epoch, full batch) for this rank forever, starting at data position (start_epoch, start_sample).
 
-    Every rank gets the same number of rows per epoch (Ray Train splits with `equal=True`) and drops
-    the same partial last batch, so all ranks roll over at the same step and start the next epoch's
-    split together; a rank that would otherwise wait forever on the others raises instead.
+    The order is a function of (spec.seed, epoch, world_size) only (`trainers.data_order`); every
+    rank gets the same number of batches per epoch, so all ranks roll over at the same step.
+    `start_sample` is the samples this rank already consumed in `start_epoch`.
     """
-    epoch = start_epoch
-    while True:
-        num_batches = 0
-        for batch in shard.iter_torch_batches(
-            batch_size=batch_size, collate_fn=collate_fn, drop_last=True, device=device
-        ):
-            num_batches += 1
-            yield epoch, batch
-        if num_batches == 0:
-            raise EmptyEpochError(f"epoch {epoch} gave this rank no full batch of {batch_size} rows")
-        epoch += 1
+    trace = _open_trace(trace_name, rank=rank) if ID_COLUMN in info.columns else None
+    columns = info.read_columns
+    if trace is not None and columns is not None and ID_COLUMN not in columns:
+        columns = [*columns, ID_COLUMN]
+    batches = iter_rank_batches(
+        uri=info.uri,
+        files=info.files,
+        units=info.read_units(),
+        data_format=info.format,
+        columns=columns,
+        seed=spec.seed,
+        shuffle=spec.dataset.shuffle,
+        buffer_rows=spec.dataset.shuffle_buffer_rows,
+        world_size=world_size,
+        rank=rank,
+        batch_size=spec.batch_size,
+        collate_fn=collate_fn,
+        start_epoch=start_epoch,
+        start_sample=start_sample,
+        s3_endpoint_url=s3_endpoint_url,
+        data_cpus=None if data_cpus is None else data_cpus / world_size,
+        id_column=ID_COLUMN if trace is not None else None,
+    )
+    try:
+        for epoch, batch in batches:
+            ids = batch.pop("__ids__", None)
+            if trace is not None:
+                # Written when the loop takes the batch (not when it is prefetched): what was trained on.
+                trace.write(json.dumps({"epoch": epoch, "ids": ids}) + "\n")
+                trace.flush()
+            yield epoch, {key: value.to(device) for key, value in batch.items()}
+    finally:
+        batches.close()
+        if trace is not None:
+            trace.close()
+
+
+def _open_trace(trace_name: str | None, *, rank: int) -> Any:
+    """`{APIARY_DATA_TRACE_DIR}/{trace_name}/rank-{rank}.jsonl`, opened for append; None when not tracing.
+
+    A debugging and test aid: each line is one step's {"epoch", "ids"} on this rank, so two runs (or a
+    run and its resumption, which appends) can be compared sample by sample.
+    """
+    root = os.environ.get(TRACE_ENV_VAR)
+    if not root or not trace_name:
+        return None
+    folder = Path(root) / trace_name
+    folder.mkdir(parents=True, exist_ok=True)
+    return (folder / f"rank-{rank}.jsonl").open("a")
+
+
+def resume_position(
+    *, epoch: int, batches_in_epoch: int, saved_world_size: int, world_size: int
+) -> tuple[int, int]:
+    """The (epoch, batches_in_epoch) to resume from, given a checkpoint's data position.
+
+    The same world size continues at the exact next batch. A different one changes every rank's
+    range (the order is a function of the world size), so no position in the old order maps onto
+    the new one: training continues with the next epoch, and the rest of this one is skipped.
+    """
+    if saved_world_size == world_size:
+        return epoch, batches_in_epoch
+    logger.warning(
+        "checkpoint written by %d ranks, this run has %d: data continues at the start of epoch %d",
+        saved_world_size,
+        world_size,
+        epoch + 1,
+    )
+    return epoch + 1, 0

@@ -33,10 +33,12 @@ from pydantic import ValidationError
 from ray.data import ExecutionOptions, ExecutionResources
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from service.spec import BUILTIN_TRAINERS, LAUNCH_ENV_VAR, LaunchRequest
+from service.spec import BUILTIN_TRAINERS, LAUNCH_ENV_VAR, JobSpec, LaunchRequest
 from service.storage import resolve_uri
 from trainers.checkpoint import checkpoint_uri
 from trainers.data import DatasetInfo, inspect_dataset
+from trainers.data_order import Slice
+from trainers.data_stream import build_epoch_dataset
 from trainers.loop import DATASET_NAME, train_loop_per_worker
 from trainers.models import load_custom_trainer
 
@@ -82,11 +84,11 @@ def run(request: LaunchRequest) -> RunResult:
         request.storage_uri, s3_endpoint_url=request.s3_endpoint_url
     )
     logger.info(
-        "job %d attempt %d: %s on %d workers, %d steps, dataset %s (%d rows, %d files), run %s/%s",
+        "job %d attempt %d: %s on %s workers, %d steps, dataset %s (%d rows, %d files), run %s/%s",
         request.job_id,
         request.attempt,
         spec.trainer,
-        spec.num_workers,
+        f"{spec.min_workers}-{spec.max_workers}" if spec.is_elastic else spec.max_workers,
         spec.max_steps,
         dataset_info.uri,
         dataset_info.num_rows,
@@ -99,18 +101,20 @@ def run(request: LaunchRequest) -> RunResult:
         train_fn,
         train_loop_config={"request": request.model_dump(mode="json"), "dataset": dataset_info.to_dict()},
         torch_config=TorchConfig(backend="nccl" if spec.uses_gpu else "gloo"),
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=spec.num_workers,
-            use_gpu=spec.uses_gpu,
-            resources_per_worker=dict(spec.resources_per_worker),
-        ),
+        scaling_config=build_scaling_config(spec),
         run_config=ray.train.RunConfig(
             name=request.run_name,
             storage_path=storage_path,
             storage_filesystem=storage_filesystem,
             failure_config=ray.train.FailureConfig(max_failures=spec.max_failures),
         ),
-        datasets={DATASET_NAME: build_ray_dataset(dataset_info, s3_endpoint_url=request.s3_endpoint_url)},
+        # Built-in trainers read their own deterministic per-rank streams (trainers.data_stream);
+        # a custom trainer still gets the whole dataset through `ray.train.get_dataset_shard`.
+        datasets=(
+            None
+            if spec.trainer in BUILTIN_TRAINERS
+            else {DATASET_NAME: build_ray_dataset(dataset_info, s3_endpoint_url=request.s3_endpoint_url)}
+        ),
         dataset_config=ray.train.DataConfig(
             # The dataset's own DataContext execution options: this job's data tasks stay within
             # data_cpus whatever else runs on the cluster.
@@ -142,20 +146,29 @@ def run(request: LaunchRequest) -> RunResult:
     )
 
 
+def build_scaling_config(spec: JobSpec) -> ray.train.ScalingConfig:
+    """Ray Train's worker group: a fixed size, or `(min, max)` for elastic training (spec.ElasticWorkers)."""
+    num_workers: int | tuple[int, int] = (
+        (spec.min_workers, spec.max_workers) if spec.is_elastic else spec.max_workers
+    )
+    return ray.train.ScalingConfig(
+        # Ray Train V2 (the default in 2.60) takes the (min, max) tuple; the type stubs are V1's.
+        num_workers=num_workers,  # type: ignore[arg-type]
+        use_gpu=spec.uses_gpu,
+        resources_per_worker=dict(spec.resources_per_worker),
+    )
+
+
 def build_ray_dataset(info: DatasetInfo, *, s3_endpoint_url: str | None = None) -> ray.data.Dataset:
-    """A lazy Ray Data dataset over exactly the files `inspect_dataset` checked."""
-    _, filesystem = resolve_uri(info.uri, s3_endpoint_url=s3_endpoint_url)
-    context = ray.data.DataContext.get_current()
-    saved = context.use_datasource_v2
-    # Ray 2.60's default parquet reader (datasource V2) starts 32 FooterReader actors, each a Python
-    # process, in every epoch's file listing: 8-25 s per epoch on a 2-core node. The V1 reader reads
-    # footers once, on the driver, and an epoch only reruns its read tasks (~0.4 s here).
-    # read_parquet() reads the flag when called, so it is flipped just around the call.
-    context.use_datasource_v2 = False
-    try:
-        return ray.data.read_parquet(info.files, filesystem=filesystem, columns=info.read_columns)
-    finally:
-        context.use_datasource_v2 = saved
+    """A lazy Ray Data dataset over exactly the units `inspect_dataset` checked, in canonical order."""
+    return build_epoch_dataset(
+        uri=info.uri,
+        files=info.files,
+        slices=[Slice(unit, 0, unit.num_rows) for unit in info.read_units()],
+        data_format=info.format,
+        columns=info.read_columns,
+        s3_endpoint_url=s3_endpoint_url,
+    )
 
 
 def failure_reason(err: BaseException) -> str:

@@ -2,19 +2,22 @@
 
 `trainers.launch` hands `train_loop_per_worker` to a `TorchTrainer`; read it top to bottom:
 
-1. Build the model from the spec (weights from the seed alone, the same on every rank), and if
-   Ray Train has a checkpoint for this run (a restarted worker group or a resubmitted job),
-   load model, optimizer, LR schedule, step, data position and RNG states from it.
-2. Wrap the model in DDP (gloo on CPU, nccl on GPU) and open this rank's dataset shard.
+1. Build the model from the spec (weights from the seed alone, the same on every rank), wrap it
+   for `spec.strategy` (DDP or FSDP2, `trainers.parallel`; gloo on CPU, nccl on GPU) and build
+   the optimizer. Forward and loss run under `spec.precision` (bf16 = autocast).
+2. If Ray Train has a checkpoint for this run (a restarted worker group or a resubmitted job),
+   load model, optimizer, LR schedule, step, data position and RNG states from it (an FSDP
+   checkpoint re-shards to this run's world size), and open this rank's data.
 3. Run optimizer steps until exactly `max_steps`; the loop owns the step count and starts a new
    epoch of the shard whenever one runs out.
 4. Each step, record per-rank metrics (`STEP_METRICS`) with the `Reporter`.
 5. Every `checkpoint.every_steps` steps and at `max_steps`, every rank calls `ray.train.report`
    (a barrier: all ranks call it the same number of times) and rank 0 attaches the checkpoint.
 
-Known gap: a resumed run continues with a fresh epoch of the shard rather than the exact next
-batch; the checkpoint already records the data position (epoch, batches_in_epoch,
-samples_consumed) for when the data order is made deterministic.
+Data position: each rank reads its own samples in an order fixed by (seed, epoch, world size)
+(`trainers.data_order`), so the checkpoint's (epoch, batches_in_epoch) is the exact position of
+every rank (each consumed batches_in_epoch * batch_size samples of that epoch), and a resumed run
+takes exactly the batches an uninterrupted run would have taken.
 """
 
 from __future__ import annotations
@@ -40,13 +43,13 @@ from trainers.checkpoint import (
     capture_rng_state,
     checkpoint_dir_name,
     checkpoint_uri,
-    load_checkpoint,
+    restore_checkpoint,
     restore_rng_state,
     save_checkpoint,
-    unwrap_model,
 )
-from trainers.data import DatasetInfo, build_collate, iter_epochs
+from trainers.data import DatasetInfo, build_collate, iter_batches_for_rank, resume_position
 from trainers.models import build_model, build_optimizer, compute_loss, grad_clip_of
+from trainers.parallel import autocast, clip_grad_norm, is_sharded, parallelize
 from trainers.report import Reporter
 
 logger = logging.getLogger(__name__)
@@ -75,43 +78,50 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     _configure_logging(rank)
 
-    # 1. Model (and state to resume from). Initial weights depend on the seed only, not on the rank
-    # or world size, so a run is reproducible at any scale.
+    # 1. Model, wrapped for the strategy (DDP or FSDP, trainers.parallel), and optimizer. Initial
+    # weights depend on the seed only, not on the rank or world size, so a run is reproducible at
+    # any scale. The optimizer is built on the wrapped model: FSDP replaces parameters by shards.
     torch.manual_seed(spec.seed)
-    model = build_model(spec, row_shape=dataset.row_shape)
+    device = ray.train.torch.get_device()
+    model = parallelize(build_model(spec, row_shape=dataset.row_shape), strategy=spec.strategy, device=device)
+    optimizer, scheduler = build_optimizer(model, spec=spec)
+
+    # 2. State to resume from (a restarted worker group or a resubmitted job), on every rank: an
+    # FSDP checkpoint is re-sharded to this run's world size.
     progress = Progress()
-    state = _load_latest_checkpoint()
+    state = _restore_latest_checkpoint(model=model, optimizer=optimizer, scheduler=scheduler)
     if state is not None:
-        model.load_state_dict(state["model"])
         progress = Progress(
             step=state["step"],
             epoch=state["epoch"],
             batches_in_epoch=state["batches_in_epoch"],
             samples_consumed=state["samples_consumed"],
         )
-
-    # 2. DDP and optimizer. The optimizer is built after the model reached its device, so loading
-    # its state puts the moments on the same device as the parameters.
-    model = ray.train.torch.prepare_model(model)
-    optimizer, scheduler = build_optimizer(unwrap_model(model), spec=spec)
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
         _restore_rng(state, spec=spec, rank=rank, world_size=world_size)
         if rank == 0:
             logger.info("resumed from step %d (epoch %d)", progress.step, progress.epoch)
-        # A fresh pass over the shard: the exact data position is not restored yet (module docstring).
-        progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
+        # Continue at the exact next sample of the same epoch (a new epoch if the world size changed).
+        progress.epoch, progress.batches_in_epoch = resume_position(
+            epoch=progress.epoch,
+            batches_in_epoch=progress.batches_in_epoch,
+            saved_world_size=state["world_size"],
+            world_size=world_size,
+        )
     else:
         _seed_rank(spec.seed, rank=rank, step=0)
 
-    shard = ray.train.get_dataset_shard(DATASET_NAME)
-    batches = iter_epochs(
-        shard,
-        batch_size=spec.batch_size,
+    batches = iter_batches_for_rank(
+        spec,
+        dataset,
+        rank=rank,
+        world_size=world_size,
         collate_fn=build_collate(spec, dataset),
         start_epoch=progress.epoch,
+        start_sample=progress.batches_in_epoch * spec.batch_size,
         device=ray.train.torch.get_device(),
+        s3_endpoint_url=request.s3_endpoint_url,
+        data_cpus=request.data_cpus,
+        trace_name=request.run_name,
     )
     grad_clip = grad_clip_of(spec) or math.inf
     log_every = max(1, spec.max_steps // 50)
@@ -126,10 +136,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             if epoch != progress.epoch:
                 progress.epoch, progress.batches_in_epoch = epoch, 0
 
-            loss = compute_loss(model, batch, spec=spec)
+            with autocast(spec.precision, device=device):
+                loss = compute_loss(model, batch, spec=spec)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces the gradients here
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
+            grad_norm = clip_grad_norm(model, max_norm=grad_clip)
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
@@ -191,10 +202,14 @@ def _checkpoint(
     rank: int,
     reporter: Reporter,
 ) -> None:
-    """Every rank calls this at the same steps (two collectives); rank 0 writes and announces the files."""
+    """Every rank calls this at the same steps (collectives); rank 0 writes `state.pt` and announces it.
+
+    With DDP rank 0 holds everything; with FSDP every rank also writes its shards, and Ray Train merges
+    the ranks' folders into the one checkpoint folder `name`.
+    """
     name = checkpoint_dir_name(progress.step)
     rng = _gather_rng_states()
-    if rank != 0:
+    if rank != 0 and not is_sharded(model):
         ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
         return
     with tempfile.TemporaryDirectory(prefix="apiary-checkpoint-") as directory:
@@ -210,23 +225,29 @@ def _checkpoint(
             batches_in_epoch=progress.batches_in_epoch,
             samples_consumed=progress.samples_consumed,
             rng=rng,
+            rank=rank,
         )
         # Synchronous upload: when report() returns, the folder is in storage under `name`.
         ray.train.report(
             metrics, checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name
         )
+    if rank != 0:
+        return
     reporter.report_checkpoint(
         progress.step,
         checkpoint_uri(storage_uri=request.storage_uri, run_name=request.run_name, name=name),
     )
 
 
-def _load_latest_checkpoint() -> dict[str, Any] | None:
+def _restore_latest_checkpoint(
+    *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
+) -> dict[str, Any] | None:
+    """Load Ray Train's latest checkpoint of this run into model, optimizer and schedule; its state dict."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as directory:
-        return load_checkpoint(directory)
+        return restore_checkpoint(directory, model=model, optimizer=optimizer, scheduler=scheduler)
 
 
 def _gather_rng_states() -> list[dict[str, Any]]:

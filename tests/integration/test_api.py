@@ -245,3 +245,23 @@ def test_openapi_is_served(service: Service) -> None:
         "/jobs/{job_id}/metrics",
     } <= set(paths)
     assert service.http.get("/docs").status_code == 200
+
+
+def test_an_elastic_job_is_admitted_on_its_min_and_holds_what_it_may_grow_into(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    refused = service.http.post("/jobs", json={**spec, "num_workers": {"min": 9, "max": 12}})
+    assert refused.status_code == 422 and "the cluster has 1 node(s) with 8 CPU" in refused.text
+    elastic = service.submit({**spec, "num_workers": {"min": 2, "max": 12}})  # 2 + 1 data CPU of 8 fit
+    assert service.job(elastic["id"])["spec"]["num_workers"] == {"min": 2, "max": 12}
+    service.tick()
+    assert service.job(elastic["id"])["state"] == "admitted"
+    events = service.http.get(f"/jobs/{elastic['id']}/events").json()["data"]
+    assert "gang of 2 worker(s) fits" in events[-1]["reason"]
+
+    # Ray Train may grow the elastic job into every free CPU, so nothing is promised to the next job.
+    small = service.submit({**spec, "num_workers": 1})
+    service.tick()
+    waiting = service.job(small["id"])
+    assert waiting["state"] == "queued"
+    assert "free now nothing" in waiting["waiting_reason"]

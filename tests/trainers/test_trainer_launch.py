@@ -7,7 +7,14 @@ import ray.train
 
 from service.spec import LAUNCH_ENV_VAR
 from trainers.data import DatasetError
-from trainers.launch import ERROR_PREFIX, MAX_REASON_CHARS, TrainingFailed, failure_reason, main
+from trainers.launch import (
+    ERROR_PREFIX,
+    MAX_REASON_CHARS,
+    TrainingFailed,
+    build_scaling_config,
+    failure_reason,
+    main,
+)
 
 
 def last_stderr_line(capsys: pytest.CaptureFixture[str]) -> str:
@@ -51,3 +58,18 @@ def test_worker_group_errors_name_the_rank_or_the_user_mistake() -> None:
     assert failure_reason(ray.train.WorkerGroupError("snippet", crash)) == (
         "training failed on rank 0 (and others): RuntimeError: NCCL timeout"
     )
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "expected"),
+    [(2, 2), ({"min": 1, "max": 3}, (1, 3)), ({"min": 2, "max": 2}, 2)],
+)
+def test_scaling_config_is_fixed_or_elastic(synthetic: Any, num_workers: Any, expected: Any) -> None:
+    spec = synthetic.make_spec(
+        trainer="gpt", dataset="file:///unused", config={"vocab_size": 8}, num_workers=num_workers
+    )
+    scaling = build_scaling_config(spec)
+    assert scaling.num_workers == expected
+    assert scaling.elasticity_enabled == isinstance(expected, tuple)
+    assert (scaling.min_workers, scaling.max_workers) == (spec.min_workers, spec.max_workers)
+    assert not scaling.use_gpu and scaling.resources_per_worker == {"CPU": 1.0}

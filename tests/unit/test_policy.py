@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+from service.jobs import gang_for
 from service.policy import ClusterSnapshot, Gang, NodeCapacity, decide, fits_empty_cluster
+from service.spec import JobSpec
 
 
 def cluster(*cpus: float) -> ClusterSnapshot:
@@ -52,3 +54,51 @@ def test_data_cpus_are_part_of_the_gang() -> None:
 def test_resources_the_cluster_lacks_never_fit() -> None:
     gpu = Gang(job_id=1, queue="research", priority=0, num_workers=1, per_worker={"CPU": 1, "GPU": 1})
     assert not fits_empty_cluster(cluster(8), gpu)
+
+
+def elastic(job_id: int, low: int, high: int, *, extra: float = 0) -> Gang:
+    return Gang(
+        job_id=job_id,
+        queue="research",
+        priority=0,
+        num_workers=low,
+        max_workers=high,
+        per_worker={"CPU": 1},
+        extra={"CPU": extra},
+    )
+
+
+def test_elastic_gang_is_admitted_when_its_min_fits() -> None:
+    decisions = decide(cluster=cluster(4), queued=[elastic(1, 2, 8, extra=1)], active=[], now=0)
+    assert decisions.admit == (1,)
+    assert fits_empty_cluster(cluster(3), elastic(1, 2, 8, extra=1))
+    assert not fits_empty_cluster(cluster(2), elastic(1, 2, 8, extra=1))
+
+
+def test_active_elastic_gang_holds_what_it_may_grow_into() -> None:
+    # Job 1 runs at 2..6 workers on 8 CPU: Ray may grow it to 6, so only 2 CPU are promised to others.
+    decisions = decide(cluster=cluster(8), queued=[gang(2, 3), gang(3, 2)], active=[elastic(1, 2, 6)], now=0)
+    assert decisions.admit == ()
+    assert "needs 3 CPU; free now 2 CPU" in decisions.waiting[2]
+    # Fixed active gangs are placed before any growth: growth never pushes them off their nodes.
+    decisions = decide(cluster=cluster(8), queued=[gang(3, 2)], active=[elastic(1, 2, 6), gang(2, 4)], now=0)
+    assert decisions.admit == ()
+    assert "free now nothing" in decisions.waiting[3]
+
+
+def test_gang_for_an_elastic_spec_needs_its_min_and_may_grow_to_its_max() -> None:
+    base = {
+        "name": "elastic",
+        "trainer": "gpt",
+        "dataset": {"uri": "file:///data"},
+        "max_steps": 1,
+        "batch_size": 1,
+        "config": {"vocab_size": 8},
+    }
+    elastic_gang = gang_for(
+        7, JobSpec.model_validate({**base, "num_workers": {"min": 2, "max": 5}}), data_cpus=1
+    )
+    assert (elastic_gang.num_workers, elastic_gang.max_workers) == (2, 5)
+    assert elastic_gang.total() == {"CPU": 3.0} and len(elastic_gang.growth()) == 3
+    fixed_gang = gang_for(8, JobSpec.model_validate({**base, "num_workers": 2}), data_cpus=1)
+    assert (fixed_gang.num_workers, fixed_gang.max_workers, fixed_gang.growth()) == (2, None, [])

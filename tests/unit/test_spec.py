@@ -44,9 +44,16 @@ def test_defaults_are_filled_and_builtin_config_is_completed() -> None:
     [
         ({"unknown": 1}, "unknown"),
         ({"num_workers": 0}, "num_workers"),
+        ({"num_workers": {"min": 0, "max": 2}}, "num_workers"),
+        ({"num_workers": {"min": 3, "max": 2}}, "num_workers"),
+        ({"num_workers": {"min": 1}}, "num_workers"),
+        ({"num_workers": {"min": 1, "max": 2, "step": 1}}, "num_workers"),
+        ({"num_workers": "two"}, "num_workers"),
         ({"queue": "urgent"}, "queue"),
         ({"trainer": "not a module"}, "trainer"),
-        ({"strategy": "fsdp"}, "strategy"),
+        ({"strategy": "zero3"}, "strategy"),
+        ({"precision": "fp8"}, "precision"),
+        ({"dataset": {"uri": "file:///x", "shuffle_buffer_rows": 0}}, "dataset.shuffle_buffer_rows"),
         ({"dataset": {"uri": "relative/path"}}, "dataset.uri"),
         ({"dataset": {"uri": "file:///x", "format": "csv"}}, "dataset.format"),
         ({"checkpoint": {"every_steps": 0}}, "checkpoint.every_steps"),
@@ -99,3 +106,32 @@ def test_launch_request_round_trips_through_the_environment() -> None:
         report_url="http://127.0.0.1:8000/internal/jobs/3/reports",
     )
     assert LaunchRequest.from_env(request.to_env()) == request
+
+
+def test_fixed_num_workers_is_a_gang_of_that_size() -> None:
+    spec = JobSpec.model_validate(valid(num_workers=3, resources_per_worker={"CPU": 0.5, "GPU": 1}))
+    assert (spec.num_workers, spec.min_workers, spec.max_workers, spec.is_elastic) == (3, 3, 3, False)
+    assert spec.gang_resources() == {"CPU": 1.5, "GPU": 3.0}
+    assert spec.uses_gpu
+
+
+def test_elastic_num_workers_admits_at_min_and_round_trips() -> None:
+    spec = JobSpec.model_validate(valid(num_workers={"min": 1, "max": 4}))
+    assert (spec.min_workers, spec.max_workers, spec.is_elastic) == (1, 4, True)
+    assert spec.gang_resources() == {"CPU": 1.0}
+    assert spec.gang_resources(num_workers=spec.max_workers) == {"CPU": 4.0}
+    # The trainer gets the spec as JSON (LaunchRequest): it must come back the same.
+    assert JobSpec.model_validate_json(spec.model_dump_json()) == spec
+    assert spec.model_dump(mode="json")["num_workers"] == {"min": 1, "max": 4}
+
+
+def test_elastic_with_min_equal_max_is_a_fixed_group() -> None:
+    spec = JobSpec.model_validate(valid(num_workers={"min": 2, "max": 2}))
+    assert (spec.min_workers, spec.max_workers, spec.is_elastic) == (2, 2, False)
+
+
+def test_elastic_errors_say_what_is_wrong() -> None:
+    with pytest.raises(ValidationError, match=r"max \(2\) must be >= min \(3\)"):
+        JobSpec.model_validate(valid(num_workers={"min": 3, "max": 2}))
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        JobSpec.model_validate(valid(num_workers=0))

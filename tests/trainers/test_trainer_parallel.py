@@ -1,0 +1,250 @@
+"""DDP/FSDP wrapping, precision and sharded checkpoints, on real gloo process groups (no Ray).
+
+Each multi-rank case spawns plain `torch.distributed` processes (a few seconds of torch import each),
+which shows the same code Ray Train runs without a cluster's start-up cost.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from service.spec import JobSpec, Strategy
+from trainers.checkpoint import (
+    SHARDED_DIR,
+    STATE_FILE,
+    build_model_from_checkpoint,
+    capture_rng_state,
+    load_checkpoint,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from trainers.models import build_model, build_optimizer, compute_loss
+from trainers.parallel import autocast, clip_grad_norm, is_sharded, parallelize
+
+GPT_CONFIG = {"vocab_size": 24, "d_model": 16, "n_layers": 2, "n_heads": 2, "warmup_steps": 2, "lr": 1e-2}
+ROW_SHAPE = {"seq_len": 9}
+CPU = torch.device("cpu")
+
+
+def gpt_spec(**fields: Any) -> JobSpec:
+    values: dict[str, Any] = {
+        "name": "parallel",
+        "trainer": "gpt",
+        "num_workers": 2,
+        "dataset": {"uri": "file:///unused"},
+        "max_steps": 20,
+        "batch_size": 4,
+        "config": GPT_CONFIG,
+        **fields,
+    }
+    return JobSpec.model_validate(values)
+
+
+def batch_for(step: int, *, rank: int, world_size: int, rows: int = 8) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s slice of a fixed global batch of step `step` (the same whatever the world size)."""
+    generator = torch.Generator().manual_seed(step)
+    starts = torch.randint(0, GPT_CONFIG["vocab_size"], (rows, 1), generator=generator)
+    tokens = (starts + torch.arange(ROW_SHAPE["seq_len"])) % GPT_CONFIG["vocab_size"]
+    return {"tokens": tokens.chunk(world_size)[rank]}
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and optimizer as full (unsharded) CPU tensors keyed by parameter name; a collective."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def _worker(rank: int, world_size: int, task: str, folder: str, spec_json: dict[str, Any]) -> None:
+    dist.init_process_group(
+        "gloo", init_method=Path(folder, f"rendezvous-{task}").as_uri(), rank=rank, world_size=world_size
+    )
+    try:
+        spec = JobSpec.model_validate(spec_json)
+        torch.manual_seed(spec.seed)
+        model = parallelize(build_model(spec, row_shape=ROW_SHAPE), strategy=spec.strategy, device=CPU)
+        assert is_sharded(model) == (spec.strategy is Strategy.FSDP)
+        optimizer, scheduler = build_optimizer(model, spec=spec)
+        checkpoint = Path(folder, "checkpoint")
+        step = 0
+        if task == "train":
+            for step in range(1, 4):
+                with autocast(spec.precision, device=CPU):
+                    loss = compute_loss(model, batch_for(step, rank=rank, world_size=world_size), spec=spec)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                clip_grad_norm(model, max_norm=1.0)
+                optimizer.step()
+                scheduler.step()
+            rng = [capture_rng_state()] * world_size
+            # As under Ray Train: each rank writes into its own folder, the folders are merged after.
+            own = Path(folder, f"rank-{rank}")
+            own.mkdir()
+            wrote = save_checkpoint(
+                own,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                spec=spec,
+                row_shape=ROW_SHAPE,
+                step=step,
+                epoch=0,
+                batches_in_epoch=step,
+                samples_consumed=step * 8,
+                rng=rng,
+                rank=rank,
+            )
+            assert wrote == (rank == 0 or is_sharded(model))
+        else:
+            state = restore_checkpoint(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
+            step = state["step"]
+        full = full_state(model, optimizer)
+        if rank == 0:
+            torch.save({"step": step, "lr": scheduler.get_last_lr(), **full}, Path(folder, f"{task}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world_size: int, *, task: str, folder: Path, spec: JobSpec) -> dict[str, Any]:
+    mp.start_processes(
+        _worker,
+        args=(world_size, task, str(folder), spec.model_dump(mode="json")),
+        nprocs=world_size,
+        start_method="spawn",
+    )
+    result: dict[str, Any] = torch.load(folder / f"{task}.pt", weights_only=True)
+    return result
+
+
+def merge_rank_folders(folder: Path) -> Path:
+    """What Ray Train does with the folders every rank reported under one checkpoint name."""
+    merged = folder / "checkpoint"
+    for own in sorted(folder.glob("rank-*")):
+        for path in own.rglob("*"):
+            if path.is_file():
+                target = merged / path.relative_to(own)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                path.rename(target)
+    return merged
+
+
+def assert_states_equal(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            assert_states_equal(actual[key], value)
+        elif isinstance(value, torch.Tensor):
+            assert torch.equal(actual[key], value), key
+        else:
+            assert actual[key] == value, key
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_checkpoint_of_two_ranks_resumes_on_one_and_three(tmp_path: Path) -> None:
+    spec = gpt_spec(strategy="fsdp")
+    written = spawn(2, task="train", folder=tmp_path, spec=spec)
+    checkpoint = merge_rank_folders(tmp_path)
+    assert {p.name for p in (checkpoint / SHARDED_DIR).iterdir()} == {
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    }
+    state = load_checkpoint(checkpoint)
+    assert state["model_format"] == "sharded" and "model" not in state and "optimizer" not in state
+    assert state["step"] == 3 and state["world_size"] == 2
+    # The optimizer really has moments to restore (three AdamW steps were taken).
+    assert written["optimizer"]["state"]["blocks.0.attn.qkv.weight"]["exp_avg"].abs().sum() > 0
+
+    for world_size in (1, 3):
+        resumed = spawn(world_size, task=f"resume{world_size}", folder=tmp_path, spec=spec)
+        assert resumed["step"] == 3
+        assert resumed["lr"] == pytest.approx(written["lr"])
+        assert_states_equal(resumed["model"], written["model"])
+        assert_states_equal(resumed["optimizer"], written["optimizer"])
+
+    # One process, no process group: the shards gather into a plain model for evaluation.
+    model = build_model_from_checkpoint(checkpoint)
+    assert_states_equal(model.state_dict(), written["model"])
+
+
+@pytest.mark.timeout(300)
+def test_ddp_checkpoint_is_one_full_state_file(tmp_path: Path) -> None:
+    spec = gpt_spec(strategy="ddp")
+    written = spawn(2, task="train", folder=tmp_path, spec=spec)
+    checkpoint = merge_rank_folders(tmp_path)
+    assert [p.name for p in checkpoint.iterdir()] == [STATE_FILE]
+    assert load_checkpoint(checkpoint)["model_format"] == "full"
+    resumed = spawn(1, task="resume1", folder=tmp_path, spec=spec)
+    assert_states_equal(resumed["model"], written["model"])
+    assert_states_equal(build_model_from_checkpoint(checkpoint).state_dict(), written["model"])
+
+
+def test_full_checkpoint_refuses_an_fsdp_model(tmp_path: Path) -> None:
+    spec = gpt_spec()
+    model = build_model(spec, row_shape=ROW_SHAPE)
+    optimizer, scheduler = build_optimizer(model, spec=spec)
+    common: dict[str, Any] = {"spec": spec, "row_shape": ROW_SHAPE, "rng": [capture_rng_state()]}
+    save_checkpoint(
+        tmp_path,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        step=1,
+        epoch=0,
+        batches_in_epoch=1,
+        samples_consumed=4,
+        **common,
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        dist.init_process_group("gloo", init_method=Path(folder, "rendezvous").as_uri(), rank=0, world_size=1)
+        try:
+            sharded = parallelize(build_model(spec, row_shape=ROW_SHAPE), strategy=Strategy.FSDP, device=CPU)
+            sharded_optimizer, sharded_scheduler = build_optimizer(sharded, spec=spec)
+            with pytest.raises(ValueError, match="resume it with that strategy"):
+                restore_checkpoint(
+                    tmp_path, model=sharded, optimizer=sharded_optimizer, scheduler=sharded_scheduler
+                )
+        finally:
+            dist.destroy_process_group()
+
+
+def test_bf16_autocast_trains_on_cpu() -> None:
+    spec = gpt_spec(precision="bf16", num_workers=1)
+    torch.manual_seed(0)
+    model = build_model(spec, row_shape=ROW_SHAPE)
+    optimizer, scheduler = build_optimizer(model, spec=spec)
+    losses = []
+    for step in range(40):
+        with autocast(spec.precision, device=CPU):
+            logits = model(batch_for(step % 4, rank=0, world_size=1)["tokens"][:, :-1])
+            assert logits.dtype == torch.bfloat16  # the matmuls really ran in bf16
+            loss = compute_loss(model, batch_for(step % 4, rank=0, world_size=1), spec=spec)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clip_grad_norm(model, max_norm=1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    assert next(model.parameters()).dtype == torch.float32  # master weights stay fp32
+    assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_precision_must_be_known() -> None:
+    with pytest.raises(ValueError, match="precision"), autocast("fp16", device=CPU):
+        pass
+
+
+def test_without_a_process_group_the_model_is_only_moved() -> None:
+    model = build_model(gpt_spec(), row_shape=ROW_SHAPE)
+    assert parallelize(model, strategy=Strategy.DDP, device=CPU) is model
+    assert parallelize(model, strategy=Strategy.FSDP, device=CPU) is model

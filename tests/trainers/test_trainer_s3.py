@@ -1,0 +1,94 @@
+"""A job on a real local Ray cluster that reads its dataset from S3 and checkpoints to S3 (moto on loopback).
+
+The cluster gets the AWS variables through its job-level runtime_env, as the service's submissions
+do (`Settings.job_aws_env`): Train workers and Ray Data tasks read S3 with them, not with whatever
+environment the raylet started with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from service.datasets import write_token_dataset
+from service.spec import LaunchRequest
+from tests.conftest import S3, S3_ENV
+from trainers.checkpoint import build_model_from_checkpoint, checkpoint_dir_name, load_checkpoint
+from trainers.launch import run
+from trainers.models import GPT
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
+
+GPT_CONFIG = {"vocab_size": 32, "d_model": 32, "n_layers": 1, "n_heads": 4, "warmup_steps": 2, "lr": 3e-3}
+
+
+@pytest.fixture(scope="module")
+def s3_ray_cluster(s3_server: str) -> Iterator[str]:
+    """A fresh local Ray cluster whose job-level runtime_env carries the AWS variables."""
+    import ray
+
+    saved = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE",)}
+    ray.init(address="local", num_cpus=8, include_dashboard=False, runtime_env={"env_vars": dict(S3_ENV)})
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_gpt_reads_s3_checkpoints_to_s3_and_resumes_from_there(
+    s3_ray_cluster: str, s3: S3, synthetic: Any, report_server: Any, tmp_path: Path
+) -> None:
+    data_uri = f"{s3.datasets_uri}/tokens"
+    write_token_dataset(
+        data_uri, num_shards=2, rows_per_shard=64, seq_len=9, vocab_size=32, s3_endpoint_url=s3.endpoint_url
+    )
+
+    def request(max_steps: int) -> LaunchRequest:
+        spec = synthetic.make_spec(
+            trainer="gpt",
+            dataset=data_uri,
+            config=GPT_CONFIG,
+            max_steps=max_steps,
+            batch_size=8,
+            checkpoint={"every_steps": 4},
+        )
+        return LaunchRequest(
+            job_id=1,
+            attempt=1,
+            spec=spec,
+            storage_uri=s3.checkpoints_uri,
+            run_name="s3-run",
+            report_url=report_server.url,
+            data_cpus=1.0,
+            s3_endpoint_url=s3.endpoint_url,
+        )
+
+    first = run(request(4))
+    assert first.step == 4
+    # The second submission under the same run name finds its checkpoint in S3 and resumes there.
+    second = run(request(8))
+    assert second.step == 8
+    expected_uri = f"{s3.checkpoints_uri}/s3-run/{checkpoint_dir_name(8)}"
+    assert second.checkpoint_uri == expected_uri
+    assert [c["uri"] for c in report_server.checkpoints()] == [
+        f"{s3.checkpoints_uri}/s3-run/{checkpoint_dir_name(4)}",
+        expected_uri,
+    ]
+    rank0_steps = sorted(p["step"] for p in report_server.points() if p["rank"] == 0)
+    assert rank0_steps == list(range(1, 9))  # the resumed run started at step 5
+
+    state = load_checkpoint(expected_uri, s3_endpoint_url=s3.endpoint_url)
+    assert state["step"] == 8 and state["samples_consumed"] == 8 * 2 * 8
+    model = build_model_from_checkpoint(expected_uri, s3_endpoint_url=s3.endpoint_url)
+    assert isinstance(model, GPT)
+    assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 32)

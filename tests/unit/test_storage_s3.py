@@ -1,0 +1,159 @@
+"""Datasets, checkpoints and job submission on a real S3 server (moto on loopback, `s3` fixture)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from service.datasets import token_table, write_token_dataset
+from service.errors import DatasetError
+from service.scheduler import Scheduler
+from service.settings import Settings
+from service.spec import LAUNCH_ENV_VAR, JobSpec
+from service.storage import list_shards, resolve_uri
+from tests.conftest import S3
+from tests.fakes import FakeBackend
+from trainers.checkpoint import (
+    build_model_from_checkpoint,
+    capture_rng_state,
+    download_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from trainers.models import build_model, build_optimizer
+
+GPT_CONFIG = {"vocab_size": 16, "d_model": 16, "n_layers": 1, "n_heads": 2}
+
+
+def test_a_token_dataset_written_to_s3_lists_and_reads_back(s3: S3) -> None:
+    uri = f"{s3.datasets_uri}/tokens"
+    written = write_token_dataset(
+        uri, num_shards=3, rows_per_shard=10, seq_len=5, vocab_size=8, s3_endpoint_url=s3.endpoint_url
+    )
+
+    files, filesystem = list_shards(uri, s3_endpoint_url=s3.endpoint_url)
+    assert isinstance(filesystem, pafs.S3FileSystem)
+    assert files == written and [f.rsplit("/", 1)[1] for f in files] == [
+        f"shard-{index:05d}.parquet" for index in range(3)
+    ]
+    table = pads.dataset(files, filesystem=filesystem, format="parquet").to_table()
+    assert table.column("id").to_pylist() == list(range(30))
+    expected = token_table(num_rows=10, seq_len=5, vocab_size=8, seed=1, first_id=10)
+    assert table.slice(10, 10).equals(expected)
+    single, _ = list_shards(f"s3://{files[1]}", s3_endpoint_url=s3.endpoint_url)
+    assert single == [files[1]]
+
+
+def test_missing_s3_datasets_are_a_dataset_error(s3: S3) -> None:
+    with pytest.raises(DatasetError, match="does not exist"):
+        list_shards(f"{s3.datasets_uri}/nothing-here", s3_endpoint_url=s3.endpoint_url)
+    with pytest.raises(DatasetError, match=r"cannot be read|does not exist"):
+        list_shards("s3://no-such-bucket/x", s3_endpoint_url=s3.endpoint_url)
+
+
+def test_a_checkpoint_in_s3_loads_and_rebuilds_its_model(s3: S3, tmp_path: Path) -> None:
+    spec = JobSpec.model_validate(
+        {
+            "name": "s3-ckpt",
+            "trainer": "gpt",
+            "num_workers": 1,
+            "dataset": {"uri": "file:///unused"},
+            "max_steps": 1,
+            "batch_size": 2,
+            "config": GPT_CONFIG,
+        }
+    )
+    torch.manual_seed(0)
+    model = build_model(spec, row_shape={"seq_len": 8})
+    optimizer, scheduler = build_optimizer(model, spec=spec)
+    local = tmp_path / "checkpoint_00000001"
+    local.mkdir()
+    save_checkpoint(
+        local,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        spec=spec,
+        row_shape={"seq_len": 8},
+        step=1,
+        epoch=0,
+        batches_in_epoch=1,
+        samples_consumed=2,
+        rng=[capture_rng_state()],
+    )
+    uri = f"{s3.checkpoints_uri}/job-1/checkpoint_00000001"
+    root, filesystem = resolve_uri(uri, s3_endpoint_url=s3.endpoint_url)
+    pafs.copy_files(
+        str(local), root, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=filesystem
+    )
+
+    assert load_checkpoint(uri, s3_endpoint_url=s3.endpoint_url)["step"] == 1
+    rebuilt = build_model_from_checkpoint(uri, s3_endpoint_url=s3.endpoint_url)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(rebuilt.state_dict()[name], tensor), name
+    copied = download_checkpoint(uri, tmp_path / "copy", s3_endpoint_url=s3.endpoint_url)
+    assert sorted(p.name for p in copied.iterdir()) == sorted(p.name for p in local.iterdir())
+    with pytest.raises(FileNotFoundError, match="not an Apiary checkpoint"):
+        load_checkpoint(f"{s3.checkpoints_uri}/job-1/nothing", s3_endpoint_url=s3.endpoint_url)
+    # The file:// URI that the service records for local storage reads in place.
+    assert load_checkpoint(local.as_uri())["step"] == 1
+
+
+def test_jobs_get_the_s3_endpoint_and_aws_variables_in_their_runtime_env_only(
+    s3: S3, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class RecordingBackend(FakeBackend):
+        env_vars: dict[str, str] = {}
+
+        def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
+            RecordingBackend.env_vars = dict(env_vars)
+            super().submit(submission_id=submission_id, entrypoint=entrypoint, env_vars=env_vars)
+
+    from service.runtime import Runtime
+
+    uri = f"{s3.datasets_uri}/tokens"
+    write_token_dataset(
+        uri, num_shards=1, rows_per_shard=8, seq_len=5, vocab_size=8, s3_endpoint_url=s3.endpoint_url
+    )
+    # Settings from the environment, as `apiary serve` reads it (the `s3` fixture set the variables).
+    settings = Settings(data_dir=tmp_path / "data", storage_uri=s3.checkpoints_uri)
+    assert settings.s3_endpoint_url == s3.endpoint_url
+    backend = RecordingBackend()
+    runtime = Runtime(settings, backend=backend, run_scheduler=False)
+    runtime.start()
+    try:
+        spec = JobSpec.model_validate(
+            {
+                "name": "s3",
+                "trainer": "gpt",
+                "num_workers": 1,
+                "dataset": {"uri": uri},
+                "max_steps": 1,
+                "batch_size": 2,
+                "config": GPT_CONFIG,
+            }
+        )
+        with caplog.at_level("DEBUG"):
+            job = runtime.jobs.submit(spec, owner="u")  # lists the shards on S3 at submission
+            assert isinstance(runtime.scheduler, Scheduler)
+            runtime.scheduler.tick()
+    finally:
+        runtime.stop()
+
+    _, launch = backend.submitted[0]
+    assert launch.job_id == job.id
+    assert launch.s3_endpoint_url == s3.endpoint_url and launch.storage_uri == s3.checkpoints_uri
+    env = RecordingBackend.env_vars
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
+        assert env[key] == s3.env[key]
+    secret = s3.env["AWS_SECRET_ACCESS_KEY"]
+    assert secret not in env[LAUNCH_ENV_VAR] and secret not in json.dumps(launch.model_dump(mode="json"))
+    assert secret not in caplog.text and secret not in repr(settings)
+
+    off = Settings(data_dir=tmp_path / "data", forward_aws_env=False)
+    assert off.job_aws_env() == {}

@@ -1,0 +1,390 @@
+"""Each rank's batches, read through Ray Data in the deterministic order of `trainers.data_order`.
+
+Ray Data stays the reader; determinism is built into what it is asked to read rather than left to
+its scheduling. Per rank and epoch, `SliceDatasource` turns the rank's slices (row ranges of parquet
+row groups or tar shards) into Ray Data read tasks in order, and the dataset runs with
+`preserve_order=True`, so blocks come back in slice order whatever task finishes first. Ray Data
+parallelises and prefetches the reads; the rank then applies the bounded window shuffle, cuts full
+batches and collates them.
+
+`iter_rank_batches` runs that pipeline in a background thread with a bounded queue of collated
+batches, so reading, decoding and the next epoch's start-up overlap the training step, and yields
+`(epoch, batch)` forever from a data position `(start_epoch, start_sample)`: resuming starts the
+first epoch at that position without reading what came before it (see `trainers.data_order`).
+
+Each rank's read tasks use at most `data_cpus / world_size` CPUs, so the job's data tasks stay within
+the CPUs its gang reserved for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray.data
+from ray.data import ExecutionResources
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
+
+from service.errors import DatasetError
+from service.sharding import decode_webdataset
+from service.storage import resolve_uri
+from trainers.data_order import (
+    Slice,
+    Unit,
+    rank_slices,
+    rows_per_rank,
+    seek,
+    window_permutation,
+    window_rows,
+)
+
+logger = logging.getLogger(__name__)
+
+Batch = dict[str, Any]
+# Rows a read task reads at least (several small slices share one task: a task costs ~ms to start).
+_MIN_ROWS_PER_TASK = 16384
+# Seconds between checks of the stop flag while the queue is full.
+_POLL_S = 0.1
+# Blocks Ray Data fetches ahead of the window shuffle.
+_PREFETCH_BLOCKS = 2
+
+
+class SliceDatasource(Datasource):
+    """Ray Data datasource over an ordered list of slices; one block per slice, in slice order."""
+
+    def __init__(
+        self,
+        *,
+        uri: str,
+        files: list[str],
+        slices: list[Slice],
+        data_format: str,
+        columns: list[str] | None,
+        s3_endpoint_url: str | None,
+    ) -> None:
+        super().__init__()
+        self.uri = uri
+        self.files = files
+        self.slices = slices
+        self.data_format = data_format
+        self.columns = columns
+        self.s3_endpoint_url = s3_endpoint_url
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return None
+
+    def get_read_tasks(
+        self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
+    ) -> list[ReadTask]:
+        # The task list is fixed by the slices, not by `parallelism`: order must not depend on it.
+        tasks: list[ReadTask] = []
+        for group in _group_slices(self.slices, min_rows=_MIN_ROWS_PER_TASK):
+            read = functools.partial(
+                read_slices,
+                uri=self.uri,
+                files=self.files,
+                slices=group,
+                data_format=self.data_format,
+                columns=self.columns,
+                s3_endpoint_url=self.s3_endpoint_url,
+            )
+            metadata = BlockMetadata(
+                num_rows=sum(piece.num_rows for piece in group),
+                size_bytes=None,
+                exec_stats=None,
+                input_files=tuple(sorted({self.files[piece.unit.file] for piece in group})),
+            )
+            tasks.append(ReadTask(read, metadata))
+        return tasks
+
+
+def _group_slices(slices: list[Slice], *, min_rows: int) -> Iterator[list[Slice]]:
+    group: list[Slice] = []
+    rows = 0
+    for piece in slices:
+        group.append(piece)
+        rows += piece.num_rows
+        if rows >= min_rows:
+            yield group
+            group, rows = [], 0
+    if group:
+        yield group
+
+
+def read_slices(
+    *,
+    uri: str,
+    files: list[str],
+    slices: list[Slice],
+    data_format: str,
+    columns: list[str] | None,
+    s3_endpoint_url: str | None,
+) -> Iterable[pa.Table]:
+    """Read `slices` in order, one Arrow table each (runs inside a Ray Data read task)."""
+    _, filesystem = resolve_uri(uri, s3_endpoint_url=s3_endpoint_url)
+    parquet_files: dict[int, pq.ParquetFile] = {}
+    tar_tables: dict[int, pa.Table] = {}
+    for piece in slices:
+        unit = piece.unit
+        path = files[unit.file]
+        try:
+            if data_format == "parquet":
+                if unit.file not in parquet_files:
+                    parquet_files[unit.file] = pq.ParquetFile(filesystem.open_input_file(path))
+                table = parquet_files[unit.file].read_row_group(unit.part, columns=columns)
+            else:
+                if unit.file not in tar_tables:
+                    # A tar has no index: the whole shard is read once per task, then sliced.
+                    tar_tables.clear()
+                    with filesystem.open_input_stream(path) as stream:
+                        tar_tables[unit.file] = decode_webdataset(stream.read())
+                table = tar_tables[unit.file]
+                if columns is not None:
+                    table = table.select(columns)
+        except (OSError, pa.ArrowInvalid) as err:
+            raise DatasetError(f"dataset {uri}: cannot read {path}: {' '.join(str(err).split())}") from err
+        if table.num_rows != unit.num_rows:
+            raise DatasetError(
+                f"dataset {uri}: {path} unit {unit.part} has {table.num_rows} rows, expected {unit.num_rows} "
+                "(the shard changed after the job was checked)"
+            )
+        yield table.slice(piece.start, piece.num_rows)
+
+
+def build_epoch_dataset(
+    *,
+    uri: str,
+    files: list[str],
+    slices: list[Slice],
+    data_format: str,
+    columns: list[str] | None,
+    s3_endpoint_url: str | None,
+    data_cpus: float | None = None,
+) -> ray.data.Dataset:
+    """A Ray Data dataset that yields `slices` in order."""
+    source = SliceDatasource(
+        uri=uri,
+        files=files,
+        slices=slices,
+        data_format=data_format,
+        columns=columns,
+        s3_endpoint_url=s3_endpoint_url,
+    )
+    # Read tasks ask for a fraction of the limit so that two can overlap even on a 1-CPU budget.
+    num_cpus = None if data_cpus is None else max(0.05, data_cpus / 2)
+    dataset = ray.data.read_datasource(source, num_cpus=num_cpus)
+    # The dataset's own copy of the DataContext: the process-wide one is left as it was.
+    options = dataset.context.execution_options
+    options.preserve_order = True
+    if data_cpus is not None:
+        options.resource_limits = ExecutionResources.for_limits(cpu=data_cpus)
+    return dataset
+
+
+def iter_rank_batches(
+    *,
+    uri: str,
+    files: list[str],
+    units: list[Unit],
+    data_format: str,
+    columns: list[str] | None,
+    seed: int,
+    shuffle: bool,
+    buffer_rows: int,
+    world_size: int,
+    rank: int,
+    batch_size: int,
+    collate_fn: Callable[[pa.Table], Batch],
+    start_epoch: int = 0,
+    start_sample: int = 0,
+    s3_endpoint_url: str | None = None,
+    data_cpus: float | None = None,
+    prefetch_batches: int = 8,
+    id_column: str | None = None,
+) -> Generator[tuple[int, Batch], None, None]:
+    """Yield (epoch, collated batch) for this rank forever, from data position (start_epoch, start_sample).
+
+    With `id_column`, each batch also carries `batch["__ids__"]`, that column's values (for tracing).
+    """
+    total = sum(unit.num_rows for unit in units)
+    per_rank = rows_per_rank(total, world_size=world_size, batch_size=batch_size)
+    if per_rank == 0:
+        raise DatasetError(
+            f"dataset {uri} has {total} rows, fewer than one batch per rank ({world_size} x {batch_size})"
+        )
+    if start_sample % batch_size:
+        raise ValueError(f"start_sample {start_sample} is not a whole number of batches of {batch_size}")
+
+    def epoch_tables(epoch: int, position: int) -> Iterator[pa.Table]:
+        """This rank's rows of `epoch` from `position` on, in final order, as Arrow tables."""
+        slices = rank_slices(
+            units,
+            seed=seed,
+            epoch=epoch,
+            world_size=world_size,
+            batch_size=batch_size,
+            rank=rank,
+            shuffle=shuffle,
+        )
+        window = window_rows(shuffle=shuffle, buffer_rows=buffer_rows, per_rank=per_rank)
+        first_window = position // window
+        begin = first_window * window
+        dataset = build_epoch_dataset(
+            uri=uri,
+            files=files,
+            slices=seek(slices, begin),
+            data_format=data_format,
+            columns=columns,
+            s3_endpoint_url=s3_endpoint_url,
+            data_cpus=data_cpus,
+        )
+        blocks = dataset.iter_batches(
+            batch_size=None, batch_format="pyarrow", prefetch_batches=_PREFETCH_BLOCKS
+        )
+        yield from shuffle_windows(
+            blocks,
+            window=window,
+            first_window=first_window,
+            rows=per_rank - begin,
+            drop=position - begin,
+            permute=(
+                (
+                    lambda index, size: window_permutation(
+                        seed=seed, epoch=epoch, rank=rank, window=index, size=size
+                    )
+                )
+                if window > 1
+                else None
+            ),
+        )
+
+    def produce(put: Callable[[Any], bool]) -> None:
+        for epoch in itertools.count(start_epoch):
+            position = start_sample if epoch == start_epoch else 0
+            if position >= per_rank:
+                continue  # a checkpoint taken right at the end of an epoch
+            carry: pa.Table | None = None
+            for table in epoch_tables(epoch, position):
+                carry = table if carry is None else pa.concat_tables([carry, table])
+                while carry.num_rows >= batch_size:
+                    rows, carry = carry.slice(0, batch_size), carry.slice(batch_size)
+                    batch = collate_fn(rows)
+                    if id_column is not None:
+                        batch["__ids__"] = rows.column(id_column).to_pylist()
+                    if not put((epoch, batch)):
+                        return
+            # per_rank and position are whole batches, so an epoch ends on a batch boundary.
+            assert carry is None or carry.num_rows == 0, "epoch did not end on a batch boundary"
+
+    yield from _background(produce, maxsize=prefetch_batches)
+
+
+def shuffle_windows(
+    blocks: Iterable[pa.Table],
+    *,
+    window: int,
+    first_window: int,
+    rows: int,
+    drop: int,
+    permute: Callable[[int, int], np.ndarray] | None,
+) -> Iterator[pa.Table]:
+    """Regroup `blocks` (the rank's `rows` rows from window `first_window` on) into shuffled windows.
+
+    The first `drop` rows of the first window (already consumed before a resume) are left out.
+    """
+    if permute is None:
+        # No shuffle: blocks pass through as they are, less the rows consumed before a resume.
+        for block in blocks:
+            if drop >= block.num_rows:
+                drop -= block.num_rows
+                rows -= block.num_rows
+                continue
+            rows -= block.num_rows
+            block, drop = block.slice(drop), 0
+            yield block
+        if rows:
+            raise DatasetError(f"the data stream ended {rows} rows early (a shard changed while training?)")
+        return
+    pending: list[pa.Table] = []
+    pending_rows = 0
+    index = first_window
+    remaining = rows
+
+    def cut(size: int) -> pa.Table:
+        nonlocal pending, pending_rows
+        table = pa.concat_tables(pending) if len(pending) > 1 else pending[0]
+        head, tail = table.slice(0, size), table.slice(size)
+        pending, pending_rows = ([tail] if tail.num_rows else []), pending_rows - size
+        return head
+
+    for block in blocks:
+        if block.num_rows == 0:
+            continue
+        pending.append(block)
+        pending_rows += block.num_rows
+        while remaining and pending_rows >= min(window, remaining):
+            size = min(window, remaining)
+            table = cut(size)
+            if permute is not None:
+                table = table.take(pa.array(permute(index, size)))
+            if drop:
+                table, drop = table.slice(drop), 0
+            remaining -= size
+            index += 1
+            if table.num_rows:
+                yield table
+    if remaining:
+        raise DatasetError(f"the data stream ended {remaining} rows early (a shard changed while training?)")
+
+
+class _Stopped(Exception):
+    """The consumer closed the stream."""
+
+
+def _background(
+    produce: Callable[[Callable[[Any], bool]], None], *, maxsize: int
+) -> Generator[tuple[int, Batch], None, None]:
+    """Run `produce` in a thread feeding a bounded queue; yield its items; re-raise its errors here."""
+    items: queue.Queue[Any] = queue.Queue(maxsize=max(1, maxsize))
+    stop = threading.Event()
+    done = object()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                items.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run() -> None:
+        try:
+            produce(put)
+        except BaseException as err:  # handed to the consumer, which raises it in the train loop
+            put(err)
+        else:
+            put(done)
+
+    thread = threading.Thread(target=run, name="apiary-data", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = items.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=5)

@@ -1,0 +1,108 @@
+"""How a model is spread over the ranks of a job (`JobSpec.strategy`) and at what precision it runs.
+
+- `ddp`: every rank holds the whole model and optimizer state; `DistributedDataParallel`
+  all-reduces the gradients in `backward()`.
+- `fsdp`: PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`). Every transformer block is its
+  own unit, then the root takes what is left (embeddings, final norm, head): each rank keeps
+  1/N of every parameter (and so of the optimizer state), and a unit's full parameters exist only
+  while it runs forward or backward. Wrapped here rather than with Ray's
+  `prepare_model(parallel_strategy="fsdp")`, which refuses CPU; FSDP2 works with gloo.
+
+This module depends on torch only (not Ray), so the same wrapping runs under Ray Train, in a plain
+`torch.distributed` script (benchmarks/fsdp_memory.py) and in tests.
+
+Precision (`JobSpec.precision`): `fp32`, or `bf16` = `torch.autocast(device_type, torch.bfloat16)`
+around forward and loss. Parameters, gradients and optimizer state stay fp32 (autocast casts the
+inputs of matmuls), so a checkpoint is the same whatever the precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from service.spec import Strategy
+
+logger = logging.getLogger(__name__)
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def parallelize(model: nn.Module, *, strategy: Strategy, device: torch.device) -> nn.Module:
+    """Move `model` to `device` and wrap it for `strategy` over the default process group.
+
+    Without a process group (or with one rank for DDP) the model is only moved: there is nothing to
+    synchronize. Call before building the optimizer: FSDP replaces the parameters by sharded ones.
+    """
+    if device.type == "cuda":
+        # FSDP's device mesh and NCCL use the current device, which must be this rank's GPU.
+        torch.cuda.set_device(device)
+    model = model.to(device)
+    if strategy is Strategy.FSDP:
+        if not is_distributed():
+            logger.warning(
+                "strategy fsdp without a torch.distributed process group: the model is not sharded"
+            )
+            return model
+        return shard_model(model, device=device)
+    if not is_distributed() or dist.get_world_size() == 1:
+        return model
+    return nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+
+
+def shard_model(model: nn.Module, *, device: torch.device) -> nn.Module:
+    """FSDP2 over all ranks of the default group: each block of `model.blocks` (if any), then the root."""
+    mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when the model's state is split across ranks (FSDP), so every rank must save its part."""
+    return isinstance(model, FSDPModule)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside DistributedDataParallel (whose state_dict keys carry a `module.` prefix).
+
+    An FSDP2 model is its own module (fully_shard keeps the parameter names); it is returned as is.
+    """
+    inner = getattr(model, "module", None)
+    return inner if isinstance(model, nn.parallel.DistributedDataParallel) and inner is not None else model
+
+
+@contextlib.contextmanager
+def autocast(precision: str, *, device: torch.device) -> Iterator[None]:
+    """Run the enclosed forward and loss at `precision` ("fp32" does nothing, "bf16" autocasts)."""
+    if precision == "fp32":
+        yield
+        return
+    if precision != "bf16":
+        raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        yield
+
+
+def clip_grad_norm(model: nn.Module, *, max_norm: float) -> torch.Tensor:
+    """Clip gradients to `max_norm` (inf = measure only); returns the total norm over all ranks' shards.
+
+    With FSDP the gradients are DTensor shards and the norm comes back as a DTensor; its full value is
+    the norm of the whole model, the same on every rank.
+    """
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm
