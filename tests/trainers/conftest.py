@@ -6,6 +6,7 @@ so they do not depend on how pytest names conftest modules.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -168,21 +169,27 @@ def synthetic() -> type[Synthetic]:
     return Synthetic
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[str]:
-    """A fresh local Ray cluster for one test module; yields its GCS address."""
+@contextlib.contextmanager
+def local_ray(*, runtime_env: dict[str, Any] | None = None) -> Iterator[str]:
+    """A fresh local Ray cluster (8 logical CPUs); yields its GCS address, then shuts it down."""
     import ray
 
     # ray.init() of a new local cluster switches this process to token auth by setting RAY_AUTH_MODE;
     # put the environment back so later tests in this session start from what they expect.
-    saved = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE",)}
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
+    saved = os.environ.get("RAY_AUTH_MODE")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, runtime_env=runtime_env)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """A fresh local Ray cluster for one test module; yields its GCS address."""
+    with local_ray() as address:
+        yield address

@@ -7,7 +7,6 @@ environment the raylet started with.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from service.datasets import write_token_dataset
 from service.spec import LaunchRequest
 from tests.conftest import S3, S3_ENV
+from tests.trainers.conftest import local_ray
 from trainers.checkpoint import build_model_from_checkpoint, checkpoint_dir_name, load_checkpoint
 from trainers.launch import run
 from trainers.models import GPT
@@ -30,19 +30,8 @@ GPT_CONFIG = {"vocab_size": 32, "d_model": 32, "n_layers": 1, "n_heads": 4, "war
 @pytest.fixture(scope="module")
 def s3_ray_cluster(s3_server: str) -> Iterator[str]:
     """A fresh local Ray cluster whose job-level runtime_env carries the AWS variables."""
-    import ray
-
-    saved = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE",)}
-    ray.init(address="local", num_cpus=8, include_dashboard=False, runtime_env={"env_vars": dict(S3_ENV)})
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with local_ray(runtime_env={"env_vars": dict(S3_ENV)}) as address:
+        yield address
 
 
 def test_gpt_reads_s3_checkpoints_to_s3_and_resumes_from_there(
