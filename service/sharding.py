@@ -19,6 +19,9 @@ WebDataset layout. A `.tar` shard holds one group of members per row, in row ord
 For example a token row is `000000017.id.cls` + `000000017.tokens.npy`, a classification row is
 `000000017.features.npy` + `000000017.label.cls`. Column names must not contain '.' (the key/column
 separator). `decode_webdataset` is the inverse, used by the trainer's reader.
+
+Like `service.spec` and `service.storage`, this module needs only pyarrow and numpy: the trainers
+import it on the cluster, so a shard written here is read there by the same code.
 """
 
 from __future__ import annotations
