@@ -20,6 +20,7 @@ import pytest
 from service.datasets import write_token_dataset
 from service.sharding import shard_dataset
 from service.spec import LAUNCH_ENV_VAR
+from tests.trainers.conftest import local_ray
 from trainers.data import TRACE_ENV_VAR, DatasetError, inspect_dataset
 from trainers.data_order import rank_row_order
 from trainers.launch import ERROR_PREFIX, run
@@ -38,23 +39,8 @@ def trace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def traced_cluster(trace_dir: Path) -> Iterator[str]:
     """A local Ray cluster whose jobs' workers trace sample ids into `trace_dir`."""
-    import ray
-
-    saved = os.environ.get("RAY_AUTH_MODE")
-    ray.init(
-        address="local",
-        num_cpus=8,
-        include_dashboard=False,
-        runtime_env={"env_vars": {TRACE_ENV_VAR: str(trace_dir)}},
-    )
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
+    with local_ray(runtime_env={"env_vars": {TRACE_ENV_VAR: str(trace_dir)}}) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
