@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -194,6 +195,29 @@ _PORT_FLAGS = (
 )
 
 
+# The embedded local Ray is one machine serving one Apiary, usually with few cores: Ray settings that
+# only cost CPU beside training there. Each applies unless the environment sets it already (an
+# operator can turn any back on); a production cluster (KubeRay, `ray up`) keeps Ray's defaults.
+LOCAL_RAY_ENV = {
+    # One more actor process per job, watching for node drains (spot preemption): none on one machine.
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # Apiary records its own per-step, per-rank metrics; Ray Train's and Ray Core's Prometheus
+    # metrics cost every Ray process CPU for a dashboard page nobody reads here.
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+    "RAY_enable_metrics_collection": "0",
+    # Ray would prestart one worker process per CPU for the first job, which then idle (and poll)
+    # for as long as the cluster runs.
+    "RAY_prestart_worker_first_driver": "0",
+}
+
+
+def local_ray_env(environ: Mapping[str, str], *, auth_token_path: Path) -> dict[str, str]:
+    """The environment of the local Ray's processes: LOCAL_RAY_ENV under `environ`, then token auth."""
+    env = {**LOCAL_RAY_ENV, **environ, **auth_env(auth_token_path)}
+    env.pop("RAY_AUTH_TOKEN", None)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -249,8 +273,7 @@ class LocalRay:
         ]
         # Token auth on (Ray binds beyond loopback), with a token of this data dir's own: the
         # service's client and every job driver (which inherits the raylet's environment) use it.
-        env = {**os.environ, **auth_env(auth_token_path)}
-        env.pop("RAY_AUTH_TOKEN", None)
+        env = local_ray_env(os.environ, auth_token_path=auth_token_path)
         with log_path.open("ab") as log:
             process = subprocess.Popen(
                 command,

@@ -43,9 +43,7 @@ from typing import Any
 import numpy as np
 import pyarrow.fs as pafs
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from service.spec import JobSpec
 from service.storage import resolve_uri
@@ -132,6 +130,7 @@ def save_checkpoint(
     """
     sharded = is_sharded(model)
     if sharded:
+        dcp, get_state_dict, _ = _dcp()
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save(
             {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=Path(directory, SHARDED_DIR)
@@ -183,15 +182,19 @@ def restore_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load model, optimizer and LR schedule from a checkpoint folder; return its `state.pt` dict.
 
+    `state` is that dict when the caller already loaded it (`load_checkpoint`), to not read it twice.
     Call on every rank after `trainers.parallel.parallelize` and `build_optimizer`. A sharded
     checkpoint loads into any number of ranks (DCP re-shards it) and into a DDP model too; a full one
     loads into a DDP or single-process model only.
     """
-    state = load_checkpoint(directory)
+    if state is None:
+        state = load_checkpoint(directory)
     if state["model_format"] == "sharded":
+        dcp, get_state_dict, set_state_dict = _dcp()
         model_state, optimizer_state = get_state_dict(model, optimizer)
         # dcp.load fills these dicts in place, each rank reading the slices of its own shards.
         dcp.load(
@@ -222,6 +225,7 @@ def build_model_from_checkpoint(directory: str | Path, *, s3_endpoint_url: str |
     spec = JobSpec.model_validate(state["spec"])
     model = build_model(spec, row_shape=state["row_shape"])
     if state["model_format"] == "sharded":
+        dcp, _, _ = _dcp()
         model_state = model.state_dict()
         # no_dist: this process reads every shard itself, whatever process group may be running; torch
         # warns that it assumes exactly that.
@@ -275,3 +279,15 @@ def download_checkpoint(uri: str, destination: Path, *, s3_endpoint_url: str | N
         destination_filesystem=pafs.LocalFileSystem(),
     )
     return destination
+
+
+def _dcp() -> tuple[Any, Any, Any]:
+    """`torch.distributed.checkpoint` with `get_state_dict` and `set_state_dict`, imported on first use.
+
+    Only sharded (FSDP) checkpoints need it, and importing it costs every process about a second at
+    start (it pulls in DTensor): the job driver and DDP workers never pay for it.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    return dcp, get_state_dict, set_state_dict

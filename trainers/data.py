@@ -45,7 +45,7 @@ from service.sharding import count_webdataset_samples, iter_webdataset_samples
 from service.spec import GPTConfig, JobSpec, MLPConfig
 from service.storage import Manifest, list_shards, read_manifest, validate_manifest
 from trainers.data_order import Unit
-from trainers.data_stream import iter_rank_batches
+from trainers.data_stream import BatchStream, iter_rank_batches
 
 # Where every rank appends the sample ids of its batches (one JSON line per step), when set.
 TRACE_ENV_VAR = "APIARY_DATA_TRACE_DIR"
@@ -342,48 +342,73 @@ def iter_batches_for_rank(
     s3_endpoint_url: str | None = None,
     data_cpus: float | None = None,
     trace_name: str | None = None,
-) -> Iterator[tuple[int, Batch]]:
-    """Yield (epoch, full batch) for this rank forever, starting at data position (start_epoch, start_sample).
+) -> RankBatches:
+    """(epoch, full batch) for this rank forever, starting at data position (start_epoch, start_sample).
 
     The order is a function of (spec.seed, epoch, world_size) only (`trainers.data_order`); every
     rank gets the same number of batches per epoch, so all ranks roll over at the same step.
-    `start_sample` is the samples this rank already consumed in `start_epoch`.
+    `start_sample` is the samples this rank already consumed in `start_epoch`. Reading starts now,
+    in the background (`trainers.data_stream.BatchStream`); close the result when done.
     """
     trace = _open_trace(trace_name, rank=rank) if ID_COLUMN in info.columns else None
     columns = info.read_columns
     if trace is not None and columns is not None and ID_COLUMN not in columns:
         columns = [*columns, ID_COLUMN]
-    batches = iter_rank_batches(
-        uri=info.uri,
-        files=info.files,
-        units=info.read_units(),
-        data_format=info.format,
-        columns=columns,
-        seed=spec.seed,
-        shuffle=spec.dataset.shuffle,
-        buffer_rows=spec.dataset.shuffle_buffer_rows,
-        world_size=world_size,
-        rank=rank,
-        batch_size=spec.batch_size,
-        collate_fn=collate_fn,
-        start_epoch=start_epoch,
-        start_sample=start_sample,
-        s3_endpoint_url=s3_endpoint_url,
-        data_cpus=None if data_cpus is None else data_cpus / world_size,
-        id_column=ID_COLUMN if trace is not None else None,
-    )
     try:
-        for epoch, batch in batches:
-            ids = batch.pop("__ids__", None)
-            if trace is not None:
-                # Written when the loop takes the batch (not when it is prefetched): what was trained on.
-                trace.write(json.dumps({"epoch": epoch, "ids": ids}) + "\n")
-                trace.flush()
-            yield epoch, {key: value.to(device) for key, value in batch.items()}
-    finally:
-        batches.close()
+        stream = iter_rank_batches(
+            uri=info.uri,
+            files=info.files,
+            units=info.read_units(),
+            data_format=info.format,
+            columns=columns,
+            seed=spec.seed,
+            shuffle=spec.dataset.shuffle,
+            buffer_rows=spec.dataset.shuffle_buffer_rows,
+            world_size=world_size,
+            rank=rank,
+            batch_size=spec.batch_size,
+            collate_fn=collate_fn,
+            start_epoch=start_epoch,
+            start_sample=start_sample,
+            s3_endpoint_url=s3_endpoint_url,
+            data_cpus=None if data_cpus is None else data_cpus / world_size,
+            id_column=ID_COLUMN if trace is not None else None,
+        )
+    except BaseException:
         if trace is not None:
             trace.close()
+        raise
+    return RankBatches(stream, trace=trace, device=device)
+
+
+class RankBatches(Iterator[tuple[int, Batch]]):
+    """One rank's (epoch, batch) stream, on `device`; each batch taken is written to the trace, if any."""
+
+    def __init__(self, stream: BatchStream, *, trace: Any, device: torch.device | str) -> None:
+        self._stream = stream
+        self._trace = trace
+        self._device = device
+
+    def __next__(self) -> tuple[int, Batch]:
+        epoch, batch = next(self._stream)
+        ids = batch.pop("__ids__", None)
+        if self._trace is not None:
+            # Written when the loop takes the batch (not when it is prefetched): what was trained on.
+            self._trace.write(json.dumps({"epoch": epoch, "ids": ids}) + "\n")
+            self._trace.flush()
+        return epoch, {key: value.to(self._device) for key, value in batch.items()}
+
+    def close(self) -> None:
+        self._stream.close()
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+
+    def __enter__(self) -> RankBatches:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _open_trace(trace_name: str | None, *, rank: int) -> Any:

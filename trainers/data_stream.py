@@ -23,7 +23,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -183,6 +183,11 @@ def build_epoch_dataset(
     num_cpus = None if data_cpus is None else max(0.05, data_cpus / 2)
     dataset = ray.data.read_datasource(source, num_cpus=num_cpus)
     # The dataset's own copy of the DataContext: the process-wide one is left as it was.
+    # Each rank opens a stream per epoch: Ray Data's progress bars and start banners would repeat in
+    # the job's log (and cost the log forwarder CPU beside training) for every one of them. The step
+    # metrics show the progress.
+    dataset.context.enable_progress_bars = False
+    dataset.context.print_on_execution_start = False
     options = dataset.context.execution_options
     options.preserve_order = True
     if data_cpus is not None:
@@ -210,10 +215,12 @@ def iter_rank_batches(
     data_cpus: float | None = None,
     prefetch_batches: int = 8,
     id_column: str | None = None,
-) -> Generator[tuple[int, Batch], None, None]:
-    """Yield (epoch, collated batch) for this rank forever, from data position (start_epoch, start_sample).
+) -> BatchStream:
+    """(epoch, collated batch) for this rank forever, from data position (start_epoch, start_sample).
 
-    With `id_column`, each batch also carries `batch["__ids__"]`, that column's values (for tracing).
+    Reading starts at once, in the background: open the stream before building the model and the
+    first batch is read while the model is built. With `id_column`, each batch also carries
+    `batch["__ids__"]`, that column's values (for tracing). Close the stream when done.
     """
     total = sum(unit.num_rows for unit in units)
     per_rank = rows_per_rank(total, world_size=world_size, batch_size=batch_size)
@@ -285,7 +292,7 @@ def iter_rank_batches(
             # per_rank and position are whole batches, so an epoch ends on a batch boundary.
             assert carry is None or carry.num_rows == 0, "epoch did not end on a batch boundary"
 
-    yield from _background(produce, maxsize=prefetch_batches)
+    return BatchStream(produce, maxsize=prefetch_batches)
 
 
 def shuffle_windows(
@@ -346,45 +353,57 @@ def shuffle_windows(
         raise DatasetError(f"the data stream ended {remaining} rows early (a shard changed while training?)")
 
 
-class _Stopped(Exception):
-    """The consumer closed the stream."""
+class BatchStream(Iterator[tuple[int, Batch]]):
+    """Runs `produce` in a thread from construction on, feeding a bounded queue; iterating takes its items.
 
+    An error in `produce` is raised here, in the consumer (the train loop). `close()` stops the thread;
+    the stream is also a context manager.
+    """
 
-def _background(
-    produce: Callable[[Callable[[Any], bool]], None], *, maxsize: int
-) -> Generator[tuple[int, Batch], None, None]:
-    """Run `produce` in a thread feeding a bounded queue; yield its items; re-raise its errors here."""
-    items: queue.Queue[Any] = queue.Queue(maxsize=max(1, maxsize))
-    stop = threading.Event()
-    done = object()
+    def __init__(self, produce: Callable[[Callable[[Any], bool]], None], *, maxsize: int) -> None:
+        self._items: queue.Queue[Any] = queue.Queue(maxsize=max(1, maxsize))
+        self._stop = threading.Event()
+        self._done = object()
+        self._finished = False
+        self._thread = threading.Thread(target=self._run, args=(produce,), name="apiary-data", daemon=True)
+        self._thread.start()
 
-    def put(item: Any) -> bool:
-        while not stop.is_set():
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
             try:
-                items.put(item, timeout=_POLL_S)
+                self._items.put(item, timeout=_POLL_S)
                 return True
             except queue.Full:
                 continue
         return False
 
-    def run() -> None:
+    def _run(self, produce: Callable[[Callable[[Any], bool]], None]) -> None:
         try:
-            produce(put)
+            produce(self._put)
         except BaseException as err:  # handed to the consumer, which raises it in the train loop
-            put(err)
+            self._put(err)
         else:
-            put(done)
+            self._put(self._done)
 
-    thread = threading.Thread(target=run, name="apiary-data", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = items.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join(timeout=5)
+    def __next__(self) -> tuple[int, Batch]:
+        if self._finished:
+            raise StopIteration
+        item = self._items.get()
+        if item is self._done:
+            self._finished = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._finished = True
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> BatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -2,16 +2,19 @@
 
 `trainers.launch` hands `train_loop_per_worker` to a `TorchTrainer`; read it top to bottom:
 
-1. Build the model from the spec (weights from the seed alone, the same on every rank), wrap it
-   for `spec.strategy` (DDP or FSDP2, `trainers.parallel`; gloo on CPU, nccl on GPU) and build
-   the optimizer. Forward and loss run under `spec.precision` (bf16 = autocast).
-2. If Ray Train has a checkpoint for this run (a restarted worker group or a resubmitted job),
-   load model, optimizer, LR schedule, step, data position and RNG states from it (an FSDP
-   checkpoint re-shards to this run's world size), and open this rank's data.
-3. Run optimizer steps until exactly `max_steps`; the loop owns the step count and starts a new
+1. Find where to start: Ray Train's latest checkpoint of this run (a restarted worker group or a
+   resubmitted job) holds the step and the exact data position.
+2. Open this rank's data stream from that position: it starts reading in the background at once,
+   so the first batch is read while the model is built.
+3. Build the model from the spec (weights from the seed alone, the same on every rank), wrap it
+   for `spec.strategy` (DDP or FSDP2, `trainers.parallel`; gloo on CPU, nccl on GPU), build the
+   optimizer and load the checkpoint's model, optimizer, LR schedule and RNG states into them (an
+   FSDP checkpoint re-shards to this run's world size). Forward and loss run under
+   `spec.precision` (bf16 = autocast).
+4. Run optimizer steps until exactly `max_steps`; the loop owns the step count and starts a new
    epoch of the shard whenever one runs out.
-4. Each step, record per-rank metrics (`STEP_METRICS`) with the `Reporter`.
-5. Every `checkpoint.every_steps` steps and at `max_steps`, every rank calls `ray.train.report`
+5. Each step, record per-rank metrics (`STEP_METRICS`) with the `Reporter`.
+6. Every `checkpoint.every_steps` steps and at `max_steps`, every rank calls `ray.train.report`
    (a barrier: all ranks call it the same number of times) and rank 0 attaches the checkpoint.
 
 Data position: each rank reads its own samples in an order fixed by (seed, epoch, world size)
@@ -22,6 +25,7 @@ takes exactly the batches an uninterrupted run would have taken.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -43,11 +47,12 @@ from trainers.checkpoint import (
     capture_rng_state,
     checkpoint_dir_name,
     checkpoint_uri,
+    load_checkpoint,
     restore_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
-from trainers.data import DatasetInfo, build_collate, iter_batches_for_rank, resume_position
+from trainers.data import DatasetInfo, RankBatches, build_collate, iter_batches_for_rank, resume_position
 from trainers.models import build_model, build_optimizer, compute_loss, grad_clip_of
 from trainers.parallel import autocast, clip_grad_norm, is_sharded, parallelize
 from trainers.report import Reporter
@@ -78,57 +83,23 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     _configure_logging(rank)
 
-    # 1. Model, wrapped for the strategy (DDP or FSDP, trainers.parallel), and optimizer. Initial
-    # weights depend on the seed only, not on the rank or world size, so a run is reproducible at
-    # any scale. The optimizer is built on the wrapped model: FSDP replaces parameters by shards.
-    torch.manual_seed(spec.seed)
-    device = ray.train.torch.get_device()
-    model = parallelize(build_model(spec, row_shape=dataset.row_shape), strategy=spec.strategy, device=device)
-    optimizer, scheduler = build_optimizer(model, spec=spec)
-
-    # 2. State to resume from (a restarted worker group or a resubmitted job), on every rank: an
-    # FSDP checkpoint is re-sharded to this run's world size.
-    progress = Progress()
-    state = _restore_latest_checkpoint(model=model, optimizer=optimizer, scheduler=scheduler)
-    if state is not None:
-        progress = Progress(
-            step=state["step"],
-            epoch=state["epoch"],
-            batches_in_epoch=state["batches_in_epoch"],
-            samples_consumed=state["samples_consumed"],
-        )
-        _restore_rng(state, spec=spec, rank=rank, world_size=world_size)
-        if rank == 0:
-            logger.info("resumed from step %d (epoch %d)", progress.step, progress.epoch)
-        # Continue at the exact next sample of the same epoch (a new epoch if the world size changed).
-        progress.epoch, progress.batches_in_epoch = resume_position(
-            epoch=progress.epoch,
-            batches_in_epoch=progress.batches_in_epoch,
-            saved_world_size=state["world_size"],
-            world_size=world_size,
-        )
-    else:
-        _seed_rank(spec.seed, rank=rank, step=0)
-
-    batches = iter_batches_for_rank(
-        spec,
-        dataset,
-        rank=rank,
-        world_size=world_size,
-        collate_fn=build_collate(spec, dataset),
-        start_epoch=progress.epoch,
-        start_sample=progress.batches_in_epoch * spec.batch_size,
-        device=ray.train.torch.get_device(),
-        s3_endpoint_url=request.s3_endpoint_url,
-        data_cpus=request.data_cpus,
-        trace_name=request.run_name,
+    started = time.perf_counter()
+    progress, batches, model, optimizer, scheduler = _prepare(
+        request, dataset, rank=rank, world_size=world_size
     )
+    if rank == 0:
+        logger.info(
+            "rank 0 of %d ready in %.1f s (model built, data stream open)",
+            world_size,
+            time.perf_counter() - started,
+        )
+    device = ray.train.torch.get_device()
     grad_clip = grad_clip_of(spec) or math.inf
     log_every = max(1, spec.max_steps // 50)
 
     model.train()
-    with Reporter(report_url=request.report_url, attempt=request.attempt, rank=rank) as reporter:
-        # 3. Exactly max_steps optimizer steps.
+    with batches, Reporter(report_url=request.report_url, attempt=request.attempt, rank=rank) as reporter:
+        # 4. Exactly max_steps optimizer steps.
         while progress.step < spec.max_steps:
             step_started = time.perf_counter()
             epoch, batch = next(batches)
@@ -150,7 +121,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             progress.samples_consumed += spec.batch_size * world_size
             step_time_s = time.perf_counter() - step_started
 
-            # 4. Metrics of this rank.
+            # 5. Metrics of this rank.
             values = {
                 "loss": loss.item(),
                 "lr": float(lr),
@@ -174,7 +145,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     100 * data_wait_s / step_time_s,
                 )
 
-            # 5. Checkpoint.
+            # 6. Checkpoint.
             every = spec.checkpoint.every_steps
             if progress.step == spec.max_steps or (every is not None and progress.step % every == 0):
                 _checkpoint(
@@ -188,6 +159,71 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     rank=rank,
                     reporter=reporter,
                 )
+
+
+def _prepare(
+    request: LaunchRequest, dataset: DatasetInfo, *, rank: int, world_size: int
+) -> tuple[Progress, RankBatches, nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """Position, data stream (already reading), model, optimizer and schedule of this rank."""
+    spec = request.spec
+    # 1. Where to start: Ray Train's latest checkpoint of this run (a restarted worker group or a
+    # resubmitted job) holds the step and the data position.
+    checkpoint = ray.train.get_checkpoint()
+    with contextlib.ExitStack() as stack, contextlib.ExitStack() as on_error:
+        directory = stack.enter_context(checkpoint.as_directory()) if checkpoint is not None else None
+        state = load_checkpoint(directory) if directory is not None else None
+        progress = Progress()
+        if state is not None:
+            progress = Progress(
+                step=state["step"],
+                epoch=state["epoch"],
+                batches_in_epoch=state["batches_in_epoch"],
+                samples_consumed=state["samples_consumed"],
+            )
+            # Continue at the exact next sample of the same epoch (a new epoch if the world size changed).
+            progress.epoch, progress.batches_in_epoch = resume_position(
+                epoch=progress.epoch,
+                batches_in_epoch=progress.batches_in_epoch,
+                saved_world_size=state["world_size"],
+                world_size=world_size,
+            )
+
+        # 2. This rank's data from that position. It starts reading now, in the background, so the
+        # first batch is read while the model is built (the data order uses no global RNG).
+        batches = iter_batches_for_rank(
+            spec,
+            dataset,
+            rank=rank,
+            world_size=world_size,
+            collate_fn=build_collate(spec, dataset),
+            start_epoch=progress.epoch,
+            start_sample=progress.batches_in_epoch * spec.batch_size,
+            device=ray.train.torch.get_device(),
+            s3_endpoint_url=request.s3_endpoint_url,
+            data_cpus=request.data_cpus,
+            trace_name=request.run_name,
+        )
+        on_error.callback(batches.close)
+
+        # 3. Model, wrapped for the strategy (DDP or FSDP, trainers.parallel), and optimizer. Initial
+        # weights depend on the seed only, not on the rank or world size, so a run is reproducible at
+        # any scale. The optimizer is built on the wrapped model: FSDP replaces parameters by shards.
+        # A checkpoint's state loads into them on every rank (an FSDP one re-sharded to this world size).
+        torch.manual_seed(spec.seed)
+        device = ray.train.torch.get_device()
+        model = parallelize(
+            build_model(spec, row_shape=dataset.row_shape), strategy=spec.strategy, device=device
+        )
+        optimizer, scheduler = build_optimizer(model, spec=spec)
+        if state is not None and directory is not None:
+            restore_checkpoint(directory, model=model, optimizer=optimizer, scheduler=scheduler, state=state)
+            _restore_rng(state, spec=spec, rank=rank, world_size=world_size)
+            if rank == 0:
+                logger.info("resumed from step %d (epoch %d)", progress.step, progress.epoch)
+        else:
+            _seed_rank(spec.seed, rank=rank, step=0)
+        on_error.pop_all()  # from here on the caller closes the stream
+    return progress, batches, model, optimizer, scheduler
 
 
 def _checkpoint(
@@ -239,17 +275,6 @@ def _checkpoint(
     )
 
 
-def _restore_latest_checkpoint(
-    *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
-) -> dict[str, Any] | None:
-    """Load Ray Train's latest checkpoint of this run into model, optimizer and schedule; its state dict."""
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return None
-    with checkpoint.as_directory() as directory:
-        return restore_checkpoint(directory, model=model, optimizer=optimizer, scheduler=scheduler)
-
-
 def _gather_rng_states() -> list[dict[str, Any]]:
     """Every rank's RNG states, in rank order (a collective: all ranks must call it)."""
     mine = capture_rng_state()
@@ -290,3 +315,6 @@ def _configure_logging(rank: int) -> None:
         package_logger.addHandler(handler)
         package_logger.propagate = False
     package_logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    # httpx logs every metrics post at INFO: that is one log line per post and rank forwarded to the
+    # job's driver log, which buries the training log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)

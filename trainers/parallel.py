@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from service.spec import Strategy
 
@@ -61,6 +60,9 @@ def parallelize(model: nn.Module, *, strategy: Strategy, device: torch.device) -
 
 def shard_model(model: nn.Module, *, device: torch.device) -> nn.Module:
     """FSDP2 over all ranks of the default group: each block of `model.blocks` (if any), then the root."""
+    # Imported here: FSDP and DTensor add about a second to every worker's start, and DDP needs neither.
+    from torch.distributed.fsdp import fully_shard
+
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.ModuleList):
@@ -72,7 +74,9 @@ def shard_model(model: nn.Module, *, device: torch.device) -> nn.Module:
 
 def is_sharded(model: nn.Module) -> bool:
     """True when the model's state is split across ranks (FSDP), so every rank must save its part."""
-    return isinstance(model, FSDPModule)
+    # FSDP is imported only by `shard_model`: if it was never imported, no model is sharded.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -103,6 +107,7 @@ def clip_grad_norm(model: nn.Module, *, max_norm: float) -> torch.Tensor:
     the norm of the whole model, the same on every rank.
     """
     norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)
-    if isinstance(norm, DTensor):
+    tensor = sys.modules.get("torch.distributed.tensor")  # imported with FSDP (shard_model)
+    if tensor is not None and isinstance(norm, tensor.DTensor):
         norm = norm.full_tensor()
     return norm

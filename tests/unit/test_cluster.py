@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.cluster import ERROR_PREFIX, _short_temp_dir, failure_reason
+from service.cluster import ERROR_PREFIX, LOCAL_RAY_ENV, _short_temp_dir, failure_reason, local_ray_env
 
 
 def test_the_trainers_last_error_line_wins() -> None:
@@ -31,3 +31,19 @@ def test_ray_temp_dir_stays_short_enough_for_unix_sockets(tmp_path: Path) -> Non
     deep = tmp_path / ("x" * 80)
     short = _short_temp_dir(deep)
     assert len(str(short)) < 40 and short == _short_temp_dir(deep)  # stable, so a restart finds it
+
+
+def test_local_ray_env_tunes_for_one_machine_unless_the_operator_says_otherwise(tmp_path: Path) -> None:
+    token = tmp_path / "ray_auth_token"
+    env = local_ray_env({"PATH": "/bin", "RAY_AUTH_TOKEN": "stale"}, auth_token_path=token)
+    for key, value in LOCAL_RAY_ENV.items():
+        assert env[key] == value
+    assert env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+    assert env["PATH"] == "/bin"
+    # Token auth with this data dir's token file, never a token from the service's own environment.
+    assert env["RAY_AUTH_MODE"] == "token"
+    assert env["RAY_AUTH_TOKEN_PATH"] == str(token)
+    assert "RAY_AUTH_TOKEN" not in env
+
+    operator = local_ray_env({"RAY_enable_metrics_collection": "1"}, auth_token_path=token)
+    assert operator["RAY_enable_metrics_collection"] == "1"
