@@ -199,6 +199,11 @@ _PORT_FLAGS = (
 # only cost CPU beside training there. Each applies unless the environment sets it already (an
 # operator can turn any back on); a production cluster (KubeRay, `ray up`) keeps Ray's defaults.
 LOCAL_RAY_ENV = {
+    # Ray runs worker processes at nice 15, below its own daemons (raylet, GCS, dashboard) and the
+    # API. On a machine whose cores the train workers fill, every wake-up of those then preempts a
+    # rank, and DDP's all-reduce makes the other rank wait too: measured here, steps ran ~25% slower
+    # than the same DDP script's at nice 0 (benchmarks/RESULTS.md, orchestration overhead).
+    "RAY_worker_niceness": "0",
     # One more actor process per job, watching for node drains (spot preemption): none on one machine.
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     # Apiary records its own per-step, per-rank metrics; Ray Train's and Ray Core's Prometheus

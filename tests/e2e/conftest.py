@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,17 +31,22 @@ class Served:
         state: dict[str, str] = json.loads((self.data_dir / "ray_cluster.json").read_text())
         return state
 
-    def ray_job_status(self, submission_id: str) -> str:
-        """Ask the local Ray's Jobs API directly (with its token), not through Apiary."""
+    def ray_jobs_api(self, method: str, path: str, **kwargs: Any) -> Any:
+        """Call the local Ray's Jobs API directly (with its token), not through Apiary."""
         state = self.ray_state()
         token = Path(state["auth_token_path"]).read_text().strip()
-        response = httpx.get(
-            f"{state['dashboard_url']}/api/jobs/{submission_id}",
+        response = httpx.request(
+            method,
+            f"{state['dashboard_url']}/api/jobs/{path}",
             headers={"Authorization": f"Bearer {token}"},
             timeout=10,
+            **kwargs,
         )
         response.raise_for_status()
-        return str(response.json()["status"])
+        return response.json()
+
+    def ray_job_status(self, submission_id: str) -> str:
+        return str(self.ray_jobs_api("GET", submission_id)["status"])
 
 
 def apiary_bin() -> str:

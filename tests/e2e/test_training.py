@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,27 @@ def test_cancel_stops_the_ray_job(client: ApiaryClient, served: Served, dataset:
         time.sleep(0.5)
     time.sleep(2)  # a reconcile tick after the stop must not move the job
     assert client.get(job["id"])["state"] == "cancelled"
+
+
+def test_the_local_rays_workers_run_at_nice_0_without_the_preemption_watcher(served: Served) -> None:
+    """The local Ray's single-machine profile (service.cluster.LOCAL_RAY_ENV) reaches its workers:
+    a 1-CPU task, as a train worker is scheduled, reports its niceness and the Train settings."""
+    probe = (
+        "import os, ray; ray.init(); "
+        "print('probe', *ray.get(ray.remote(num_cpus=1)(lambda: (os.nice(0), "
+        "os.environ.get('RAY_TRAIN_ENABLE_PREEMPTION_WATCHER'), "
+        "os.environ.get('RAY_TRAIN_METRICS_ENABLED'))).remote()))"
+    )
+    submitted = served.ray_jobs_api(
+        "POST", "", json={"entrypoint": f"{sys.executable} -c {shlex.quote(probe)}"}
+    )
+    deadline = time.monotonic() + 120
+    while (status := served.ray_job_status(submitted["submission_id"])) not in {"SUCCEEDED", "FAILED"}:
+        assert time.monotonic() < deadline, "the probe job did not finish"
+        time.sleep(0.5)
+    logs = served.ray_jobs_api("GET", f"{submitted['submission_id']}/logs")["logs"]
+    assert status == "SUCCEEDED", logs
+    assert "probe 0 0 0" in logs, logs
 
 
 def test_a_bad_dataset_fails_with_a_reason_a_user_can_act_on(client: ApiaryClient, dataset: str) -> None:
