@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from api.client import ApiaryClient  # noqa: E402
-from service.cluster import free_port  # noqa: E402
+from service.cluster import RayBackend, free_port  # noqa: E402
 from service.datasets import write_token_dataset  # noqa: E402
 
 GOAL_RATIO = 0.95
@@ -170,16 +170,10 @@ class Serve:
             time.sleep(0.5)
 
     def ray_job_logs(self, submission_id: str) -> str:
-        """The Ray job's driver log, read from the local Ray's Jobs API (with its token)."""
+        """The Ray job's driver log, through the service's own Ray client (with the local Ray's token)."""
         state = json.loads((self.data_dir / "ray_cluster.json").read_text())
-        token = Path(state["auth_token_path"]).read_text().strip()
-        response = httpx.get(
-            f"{state['dashboard_url']}/api/jobs/{submission_id}/logs",
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=30,
-        )
-        response.raise_for_status()
-        return str(response.json().get("logs", ""))
+        backend = RayBackend(state["dashboard_url"], auth_token_path=Path(state["auth_token_path"]))
+        return backend.job_logs(submission_id)
 
     def stop(self) -> None:
         if self.process.poll() is None:
