@@ -7,6 +7,7 @@ which shows the same code Ray Train runs without a cluster's start-up cost.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -69,49 +70,62 @@ def _worker(rank: int, world_size: int, task: str, folder: str, spec_json: dict[
         "gloo", init_method=Path(folder, f"rendezvous-{task}").as_uri(), rank=rank, world_size=world_size
     )
     try:
-        spec = JobSpec.model_validate(spec_json)
-        torch.manual_seed(spec.seed)
-        model = parallelize(build_model(spec, row_shape=ROW_SHAPE), strategy=spec.strategy, device=CPU)
-        assert is_sharded(model) == (spec.strategy is Strategy.FSDP)
-        optimizer, scheduler = build_optimizer(model, spec=spec)
-        checkpoint = Path(folder, "checkpoint")
-        step = 0
-        if task == "train":
-            for step in range(1, 4):
-                with autocast(spec.precision, device=CPU):
-                    loss = compute_loss(model, batch_for(step, rank=rank, world_size=world_size), spec=spec)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                clip_grad_norm(model, max_norm=1.0)
-                optimizer.step()
-                scheduler.step()
-            rng = [capture_rng_state()] * world_size
-            # As under Ray Train: each rank writes into its own folder, the folders are merged after.
-            own = Path(folder, f"rank-{rank}")
-            own.mkdir()
-            wrote = save_checkpoint(
-                own,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                spec=spec,
-                row_shape=ROW_SHAPE,
-                step=step,
-                epoch=0,
-                batches_in_epoch=step,
-                samples_consumed=step * 8,
-                rng=rng,
-                rank=rank,
-            )
-            assert wrote == (rank == 0 or is_sharded(model))
-        else:
-            state = restore_checkpoint(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
-            step = state["step"]
-        full = full_state(model, optimizer)
-        if rank == 0:
-            torch.save({"step": step, "lr": scheduler.get_last_lr(), **full}, Path(folder, f"{task}.pt"))
+        _run_task(rank, world_size, task, folder, spec_json)
     finally:
         dist.destroy_process_group()
+    # A rank that got here did its part: leave without interpreter finalization. After FSDP2 the gloo
+    # group outlives destroy_process_group (something still references it), and a gloo thread that
+    # drops its last all-gather's tensors needs the GIL; if Python is already finalizing, that thread
+    # is made to exit inside C++ and the process aborts ("terminate called without an active
+    # exception", about 1 run in 15 here, seen in a gdb core). Ray Train's workers never finalize:
+    # their actors are killed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _run_task(rank: int, world_size: int, task: str, folder: str, spec_json: dict[str, Any]) -> None:
+    spec = JobSpec.model_validate(spec_json)
+    torch.manual_seed(spec.seed)
+    model = parallelize(build_model(spec, row_shape=ROW_SHAPE), strategy=spec.strategy, device=CPU)
+    assert is_sharded(model) == (spec.strategy is Strategy.FSDP)
+    optimizer, scheduler = build_optimizer(model, spec=spec)
+    checkpoint = Path(folder, "checkpoint")
+    step = 0
+    if task == "train":
+        for step in range(1, 4):
+            with autocast(spec.precision, device=CPU):
+                loss = compute_loss(model, batch_for(step, rank=rank, world_size=world_size), spec=spec)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            clip_grad_norm(model, max_norm=1.0)
+            optimizer.step()
+            scheduler.step()
+        rng = [capture_rng_state()] * world_size
+        # As under Ray Train: each rank writes into its own folder, the folders are merged after.
+        own = Path(folder, f"rank-{rank}")
+        own.mkdir()
+        wrote = save_checkpoint(
+            own,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            spec=spec,
+            row_shape=ROW_SHAPE,
+            step=step,
+            epoch=0,
+            batches_in_epoch=step,
+            samples_consumed=step * 8,
+            rng=rng,
+            rank=rank,
+        )
+        assert wrote == (rank == 0 or is_sharded(model))
+    else:
+        state = restore_checkpoint(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
+        step = state["step"]
+    full = full_state(model, optimizer)
+    if rank == 0:
+        torch.save({"step": step, "lr": scheduler.get_last_lr(), **full}, Path(folder, f"{task}.pt"))
 
 
 def spawn(world_size: int, *, task: str, folder: Path, spec: JobSpec) -> dict[str, Any]:
