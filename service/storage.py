@@ -26,6 +26,7 @@ import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -66,6 +67,17 @@ def resolve_uri(uri: str, *, s3_endpoint_url: str | None = None) -> tuple[str, p
     if not path.startswith("/"):
         raise ValueError(f"{uri} is not an absolute path")
     return path.rstrip("/") or "/", pafs.LocalFileSystem()
+
+
+def checkpoint_uri(*, storage_uri: str, run_name: str, name: str) -> str:
+    """Where Ray Train persists checkpoint folder `name` of a run, as a URI the control plane can store.
+
+    A storage_uri without a scheme is a local absolute path and becomes `file:///abs/...`; any other
+    URI (file://, s3://) is extended as is: `{storage_uri}/{run_name}/{name}`.
+    """
+    if "://" not in storage_uri:
+        return Path(storage_uri, run_name, name).absolute().as_uri()
+    return f"{storage_uri.rstrip('/')}/{run_name}/{name}"
 
 
 def _s3_filesystem(endpoint_url: str | None) -> pafs.FileSystem:

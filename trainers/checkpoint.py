@@ -61,17 +61,6 @@ def checkpoint_dir_name(step: int) -> str:
     return f"checkpoint_{step:08d}"
 
 
-def checkpoint_uri(*, storage_uri: str, run_name: str, name: str) -> str:
-    """Where Ray Train persists checkpoint folder `name` of a run, as a URI the control plane can store.
-
-    A storage_uri without a scheme is a local absolute path and becomes `file:///abs/...`; any other
-    URI (file://, s3://) is extended as is: `{storage_uri}/{run_name}/{name}`.
-    """
-    if "://" not in storage_uri:
-        return Path(storage_uri, run_name, name).absolute().as_uri()
-    return f"{storage_uri.rstrip('/')}/{run_name}/{name}"
-
-
 def capture_rng_state() -> dict[str, Any]:
     numpy_state = np.random.get_state(legacy=True)
     assert isinstance(numpy_state, tuple)  # legacy=True always gives the tuple form

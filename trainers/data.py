@@ -30,14 +30,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import torch
 from ray.data.collate_fn import ArrowBatchCollateFn
 
 from service.errors import DatasetError
@@ -46,6 +45,9 @@ from service.spec import GPTConfig, JobSpec, MLPConfig
 from service.storage import Manifest, list_shards, read_manifest, validate_manifest
 from trainers.data_order import Unit
 from trainers.data_stream import BatchStream, iter_rank_batches
+
+if TYPE_CHECKING:
+    import torch
 
 # Where every rank appends the sample ids of its batches (one JSON line per step), when set.
 TRACE_ENV_VAR = "APIARY_DATA_TRACE_DIR"
@@ -251,10 +253,11 @@ def _one_line(err: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Worker side: Arrow batches -> tensors, and an endless stream of (epoch, batch).
+# Worker side: Arrow batches -> tensors, and an endless stream of (epoch, batch). torch is imported
+# where a tensor is made: the driver imports this module for `inspect_dataset` and needs no torch.
 # ---------------------------------------------------------------------------------------------------
 
-Batch = dict[str, torch.Tensor]
+Batch = dict[str, "torch.Tensor"]
 
 
 def _fixed_width(column: pa.ChunkedArray, *, width: int, name: str, uri: str) -> np.ndarray:
@@ -282,6 +285,8 @@ class MLPCollate(ArrowBatchCollateFn):
 
     # Ray annotates the return with an unbound TypeVar, which no concrete type satisfies for mypy.
     def __call__(self, batch: pa.Table) -> Batch:  # type: ignore[override]
+        import torch
+
         features = _fixed_width(
             batch.column("features"), width=self.input_size, name="features", uri=self.uri
         )
@@ -311,6 +316,8 @@ class GPTCollate(ArrowBatchCollateFn):
 
     # Ray annotates the return with an unbound TypeVar, which no concrete type satisfies for mypy.
     def __call__(self, batch: pa.Table) -> Batch:  # type: ignore[override]
+        import torch
+
         tokens = _fixed_width(batch.column("tokens"), width=self.seq_len, name="tokens", uri=self.uri)
         if tokens.min() < 0 or tokens.max() >= self.vocab_size:
             raise DatasetError(

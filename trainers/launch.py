@@ -10,6 +10,12 @@ tasks can never take the CPUs the train workers need, nor the reverse starve dat
 `TorchTrainer` (DDP: gloo on CPU, nccl on GPU) under `{storage_uri}/{run_name}`, where Ray Train
 also finds the checkpoint to resume from when a job is resubmitted with the same run name.
 
+The trainer is Ray Train V2's `DataParallelTrainer` with `trainers.backend.ProcessGroupConfig`,
+which is what `TorchTrainer` is with `TorchConfig`, minus the torch import: neither this driver nor
+the Train controller imports torch (about 1 s each before the workers can start). So this module
+imports no torch either: the built-in train loop is reached through `builtin_train_loop`, and a
+custom trainer's module (which imports torch itself) is loaded only for a custom trainer.
+
 Exit status 0 means the job reached `max_steps`. Anything else exits 1 with, as the last line on
 stderr, `apiary-error: <one-line reason a user can act on>`; the service's reconciler reads the
 last such line from the Ray job's logs.
@@ -22,6 +28,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -31,20 +38,20 @@ import ray.data
 import ray.train
 from pydantic import ValidationError
 from ray.data import ExecutionOptions, ExecutionResources
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from service.spec import BUILTIN_TRAINERS, LAUNCH_ENV_VAR, JobSpec, LaunchRequest
-from service.storage import resolve_uri
-from trainers.checkpoint import checkpoint_uri
+from service.storage import checkpoint_uri, resolve_uri
+from trainers.backend import ProcessGroupConfig
 from trainers.data import DatasetInfo, inspect_dataset
 from trainers.data_order import Slice
 from trainers.data_stream import build_epoch_dataset
-from trainers.loop import DATASET_NAME, train_loop_per_worker
-from trainers.models import load_custom_trainer
 
 logger = logging.getLogger(__name__)
 
 ERROR_PREFIX = "apiary-error: "
+# What a custom trainer passes to `ray.train.get_dataset_shard`.
+DATASET_NAME = "train"
 # A reason is one line in a log and in the job's API record, not a traceback.
 MAX_REASON_CHARS = 500
 
@@ -76,9 +83,7 @@ def run(request: LaunchRequest) -> RunResult:
     """
     started = time.monotonic()
     spec = request.spec
-    train_fn = (
-        train_loop_per_worker if spec.trainer in BUILTIN_TRAINERS else load_custom_trainer(spec.trainer)
-    )
+    train_fn = builtin_train_loop if spec.trainer in BUILTIN_TRAINERS else _custom_trainer(spec.trainer)
     dataset_info = inspect_dataset(spec, s3_endpoint_url=request.s3_endpoint_url)
     storage_path, storage_filesystem = resolve_uri(
         request.storage_uri, s3_endpoint_url=request.s3_endpoint_url
@@ -97,10 +102,10 @@ def run(request: LaunchRequest) -> RunResult:
         request.run_name,
     )
 
-    trainer = TorchTrainer(
+    trainer = DataParallelTrainer(
         train_fn,
         train_loop_config={"request": request.model_dump(mode="json"), "dataset": dataset_info.to_dict()},
-        torch_config=TorchConfig(backend="nccl" if spec.uses_gpu else "gloo"),
+        backend_config=ProcessGroupConfig(backend="nccl" if spec.uses_gpu else "gloo"),
         scaling_config=build_scaling_config(spec),
         run_config=ray.train.RunConfig(
             name=request.run_name,
@@ -144,6 +149,19 @@ def run(request: LaunchRequest) -> RunResult:
         checkpoint_path=checkpoint.path if checkpoint is not None else None,
         elapsed_s=time.monotonic() - started,
     )
+
+
+def builtin_train_loop(config: dict[str, Any]) -> None:
+    """`trainers.loop.train_loop_per_worker`, imported on the worker that runs it (with torch)."""
+    from trainers.loop import train_loop_per_worker
+
+    train_loop_per_worker(config)
+
+
+def _custom_trainer(name: str) -> Callable[[dict[str, Any]], Any]:
+    from trainers.models import load_custom_trainer
+
+    return load_custom_trainer(name)
 
 
 def build_scaling_config(spec: JobSpec) -> ray.train.ScalingConfig:

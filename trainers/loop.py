@@ -43,10 +43,10 @@ import torch.distributed as dist
 from torch import nn
 
 from service.spec import JobSpec, LaunchRequest
+from service.storage import checkpoint_uri
 from trainers.checkpoint import (
     capture_rng_state,
     checkpoint_dir_name,
-    checkpoint_uri,
     load_checkpoint,
     restore_checkpoint,
     restore_rng_state,
@@ -61,8 +61,6 @@ logger = logging.getLogger(__name__)
 
 # The values every rank records for every step, in this order.
 STEP_METRICS = ("loss", "lr", "grad_norm", "samples_per_s", "step_time_s", "data_wait_s", "epoch")
-
-DATASET_NAME = "train"
 
 
 @dataclass(kw_only=True)

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from service.storage import checkpoint_uri
 from trainers.checkpoint import (
     STATE_FILE,
     build_model_from_checkpoint,
     capture_rng_state,
     checkpoint_dir_name,
-    checkpoint_uri,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
