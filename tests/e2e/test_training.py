@@ -53,7 +53,9 @@ def wait_for_state(client: ApiaryClient, job_id: int, state: str, timeout_s: flo
     raise AssertionError(f"job {job_id} never became {state}: {client.get(job_id)}")
 
 
-def test_a_two_worker_job_trains_to_a_checkpoint_that_loads(client: ApiaryClient, dataset: str) -> None:
+def test_a_two_worker_job_trains_to_a_checkpoint_that_loads(
+    client: ApiaryClient, served: Served, dataset: str
+) -> None:
     job = client.submit(mlp_spec(dataset))
     job = client.wait(job["id"], timeout_s=300)
     assert job["state"] == "succeeded", job
@@ -84,6 +86,13 @@ def test_a_two_worker_job_trains_to_a_checkpoint_that_loads(client: ApiaryClient
     assert events[0] == "queued" and events[-1] == "succeeded"
     assert {"admitted", "running"} <= set(events)
 
+    # Rank 0's progress lines: step 1, the last step, and one per trainers.loop.LOG_INTERVAL_S
+    # between (these 30 steps take a few seconds), not one per step.
+    logs = served.ray_jobs_api("GET", f"{job['ray_submission_id']}/logs")["logs"]
+    progress = [line for line in logs.splitlines() if "trainers.loop INFO step " in line]
+    assert "step 1/30 " in progress[0] and "step 30/30 " in progress[-1], progress
+    assert len(progress) <= 4, progress
+
 
 def test_cancel_stops_the_ray_job(client: ApiaryClient, served: Served, dataset: str) -> None:
     job = client.submit(mlp_spec(dataset, name="e2e-long", max_steps=1_000_000, checkpoint={}))
@@ -106,7 +115,8 @@ def test_the_local_rays_workers_run_at_nice_0_without_the_preemption_watcher(ser
         "import os, ray; ray.init(); "
         "print('probe', *ray.get(ray.remote(num_cpus=1)(lambda: (os.nice(0), "
         "os.environ.get('RAY_TRAIN_ENABLE_PREEMPTION_WATCHER'), "
-        "os.environ.get('RAY_TRAIN_METRICS_ENABLED'))).remote()))"
+        "os.environ.get('RAY_TRAIN_METRICS_ENABLED'), "
+        "os.environ.get('RAY_LOG_MONITOR_MANY_FILES_THRESHOLD'))).remote()))"
     )
     submitted = served.ray_jobs_api(
         "POST", "", json={"entrypoint": f"{sys.executable} -c {shlex.quote(probe)}"}
@@ -117,7 +127,7 @@ def test_the_local_rays_workers_run_at_nice_0_without_the_preemption_watcher(ser
         time.sleep(0.5)
     logs = served.ray_jobs_api("GET", f"{submitted['submission_id']}/logs")["logs"]
     assert status == "SUCCEEDED", logs
-    assert "probe 0 0 0" in logs, logs
+    assert "probe 0 0 0 0" in logs, logs
 
 
 def test_a_bad_dataset_fails_with_a_reason_a_user_can_act_on(client: ApiaryClient, dataset: str) -> None:
