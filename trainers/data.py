@@ -44,7 +44,7 @@ from service.sharding import count_webdataset_samples, iter_webdataset_samples
 from service.spec import GPTConfig, JobSpec, MLPConfig
 from service.storage import Manifest, list_shards, read_manifest, validate_manifest
 from trainers.data_order import Unit
-from trainers.data_stream import BatchStream, iter_rank_batches
+from trainers.data_stream import BatchStream, ShardSource, iter_rank_batches
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +74,21 @@ class DatasetInfo:
 
     def read_units(self) -> list[Unit]:
         return [Unit(file, part, rows) for file, part, rows in self.units]
+
+    def shard_source(
+        self, *, s3_endpoint_url: str | None, extra_columns: tuple[str, ...] = ()
+    ) -> ShardSource:
+        """How read tasks reach the shards: the trainer's columns (all if None), plus `extra_columns`."""
+        columns = self.read_columns
+        if columns is not None:
+            columns = [*columns, *(name for name in extra_columns if name not in columns)]
+        return ShardSource(
+            uri=self.uri,
+            files=self.files,
+            data_format=self.format,
+            columns=columns,
+            s3_endpoint_url=s3_endpoint_url,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -358,16 +373,13 @@ def iter_batches_for_rank(
     in the background (`trainers.data_stream.BatchStream`); close the result when done.
     """
     trace = _open_trace(trace_name, rank=rank) if ID_COLUMN in info.columns else None
-    columns = info.read_columns
-    if trace is not None and columns is not None and ID_COLUMN not in columns:
-        columns = [*columns, ID_COLUMN]
+    source = info.shard_source(
+        s3_endpoint_url=s3_endpoint_url, extra_columns=(ID_COLUMN,) if trace is not None else ()
+    )
     try:
         stream = iter_rank_batches(
-            uri=info.uri,
-            files=info.files,
+            source,
             units=info.read_units(),
-            data_format=info.format,
-            columns=columns,
             seed=spec.seed,
             shuffle=spec.dataset.shuffle,
             buffer_rows=spec.dataset.shuffle_buffer_rows,
@@ -377,7 +389,6 @@ def iter_batches_for_rank(
             collate_fn=collate_fn,
             start_epoch=start_epoch,
             start_sample=start_sample,
-            s3_endpoint_url=s3_endpoint_url,
             data_cpus=None if data_cpus is None else data_cpus / world_size,
             id_column=ID_COLUMN if trace is not None else None,
         )

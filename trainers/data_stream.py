@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,26 +59,28 @@ _POLL_S = 0.1
 _PREFETCH_BLOCKS = 2
 
 
+@dataclass(frozen=True, kw_only=True)
+class ShardSource:
+    """A dataset's shards and how to read them: what every read task needs besides its slices.
+
+    `files[unit.file]` is the path of a unit's shard on the filesystem `uri` resolves to (with
+    `s3_endpoint_url` for S3); `columns` None reads them all.
+    """
+
+    uri: str
+    files: list[str]
+    data_format: str
+    columns: list[str] | None
+    s3_endpoint_url: str | None = None
+
+
 class SliceDatasource(Datasource):
     """Ray Data datasource over an ordered list of slices; one block per slice, in slice order."""
 
-    def __init__(
-        self,
-        *,
-        uri: str,
-        files: list[str],
-        slices: list[Slice],
-        data_format: str,
-        columns: list[str] | None,
-        s3_endpoint_url: str | None,
-    ) -> None:
+    def __init__(self, source: ShardSource, slices: list[Slice]) -> None:
         super().__init__()
-        self.uri = uri
-        self.files = files
+        self.source = source
         self.slices = slices
-        self.data_format = data_format
-        self.columns = columns
-        self.s3_endpoint_url = s3_endpoint_url
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
@@ -88,20 +91,12 @@ class SliceDatasource(Datasource):
         # The task list is fixed by the slices, not by `parallelism`: order must not depend on it.
         tasks: list[ReadTask] = []
         for group in _group_slices(self.slices, min_rows=_MIN_ROWS_PER_TASK):
-            read = functools.partial(
-                read_slices,
-                uri=self.uri,
-                files=self.files,
-                slices=group,
-                data_format=self.data_format,
-                columns=self.columns,
-                s3_endpoint_url=self.s3_endpoint_url,
-            )
+            read = functools.partial(read_slices, self.source, group)
             metadata = BlockMetadata(
                 num_rows=sum(piece.num_rows for piece in group),
                 size_bytes=None,
                 exec_stats=None,
-                input_files=tuple(sorted({self.files[piece.unit.file] for piece in group})),
+                input_files=tuple(sorted({self.source.files[piece.unit.file] for piece in group})),
             )
             tasks.append(ReadTask(read, metadata))
         return tasks
@@ -120,24 +115,17 @@ def _group_slices(slices: list[Slice], *, min_rows: int) -> Iterator[list[Slice]
         yield group
 
 
-def read_slices(
-    *,
-    uri: str,
-    files: list[str],
-    slices: list[Slice],
-    data_format: str,
-    columns: list[str] | None,
-    s3_endpoint_url: str | None,
-) -> Iterable[pa.Table]:
+def read_slices(source: ShardSource, slices: list[Slice]) -> Iterable[pa.Table]:
     """Read `slices` in order, one Arrow table each (runs inside a Ray Data read task)."""
-    _, filesystem = resolve_uri(uri, s3_endpoint_url=s3_endpoint_url)
+    uri, files, columns = source.uri, source.files, source.columns
+    _, filesystem = resolve_uri(uri, s3_endpoint_url=source.s3_endpoint_url)
     parquet_files: dict[int, pq.ParquetFile] = {}
     tar_tables: dict[int, pa.Table] = {}
     for piece in slices:
         unit = piece.unit
         path = files[unit.file]
         try:
-            if data_format == "parquet":
+            if source.data_format == "parquet":
                 if unit.file not in parquet_files:
                     parquet_files[unit.file] = pq.ParquetFile(filesystem.open_input_file(path))
                 table = parquet_files[unit.file].read_row_group(unit.part, columns=columns)
@@ -161,27 +149,12 @@ def read_slices(
 
 
 def build_epoch_dataset(
-    *,
-    uri: str,
-    files: list[str],
-    slices: list[Slice],
-    data_format: str,
-    columns: list[str] | None,
-    s3_endpoint_url: str | None,
-    data_cpus: float | None = None,
+    source: ShardSource, slices: list[Slice], *, data_cpus: float | None = None
 ) -> ray.data.Dataset:
-    """A Ray Data dataset that yields `slices` in order."""
-    source = SliceDatasource(
-        uri=uri,
-        files=files,
-        slices=slices,
-        data_format=data_format,
-        columns=columns,
-        s3_endpoint_url=s3_endpoint_url,
-    )
+    """A Ray Data dataset that yields `slices` of `source` in order."""
     # Read tasks ask for a fraction of the limit so that two can overlap even on a 1-CPU budget.
     num_cpus = None if data_cpus is None else max(0.05, data_cpus / 2)
-    dataset = ray.data.read_datasource(source, num_cpus=num_cpus)
+    dataset = ray.data.read_datasource(SliceDatasource(source, slices), num_cpus=num_cpus)
     # The dataset's own copy of the DataContext: the process-wide one is left as it was.
     # Each rank opens a stream per epoch: Ray Data's progress bars and start banners would repeat in
     # the job's log (and cost the log forwarder CPU beside training) for every one of them. The step
@@ -196,12 +169,9 @@ def build_epoch_dataset(
 
 
 def iter_rank_batches(
+    source: ShardSource,
     *,
-    uri: str,
-    files: list[str],
     units: list[Unit],
-    data_format: str,
-    columns: list[str] | None,
     seed: int,
     shuffle: bool,
     buffer_rows: int,
@@ -211,7 +181,6 @@ def iter_rank_batches(
     collate_fn: Callable[[pa.Table], Batch],
     start_epoch: int = 0,
     start_sample: int = 0,
-    s3_endpoint_url: str | None = None,
     data_cpus: float | None = None,
     prefetch_batches: int = 8,
     id_column: str | None = None,
@@ -226,7 +195,8 @@ def iter_rank_batches(
     per_rank = rows_per_rank(total, world_size=world_size, batch_size=batch_size)
     if per_rank == 0:
         raise DatasetError(
-            f"dataset {uri} has {total} rows, fewer than one batch per rank ({world_size} x {batch_size})"
+            f"dataset {source.uri} has {total} rows, "
+            f"fewer than one batch per rank ({world_size} x {batch_size})"
         )
     if start_sample % batch_size:
         raise ValueError(f"start_sample {start_sample} is not a whole number of batches of {batch_size}")
@@ -245,15 +215,7 @@ def iter_rank_batches(
         window = window_rows(shuffle=shuffle, buffer_rows=buffer_rows, per_rank=per_rank)
         first_window = position // window
         begin = first_window * window
-        dataset = build_epoch_dataset(
-            uri=uri,
-            files=files,
-            slices=seek(slices, begin),
-            data_format=data_format,
-            columns=columns,
-            s3_endpoint_url=s3_endpoint_url,
-            data_cpus=data_cpus,
-        )
+        dataset = build_epoch_dataset(source, seek(slices, begin), data_cpus=data_cpus)
         blocks = dataset.iter_batches(
             batch_size=None, batch_format="pyarrow", prefetch_batches=_PREFETCH_BLOCKS
         )

@@ -180,12 +180,8 @@ def build_scaling_config(spec: JobSpec) -> ray.train.ScalingConfig:
 def build_ray_dataset(info: DatasetInfo, *, s3_endpoint_url: str | None = None) -> ray.data.Dataset:
     """A lazy Ray Data dataset over exactly the units `inspect_dataset` checked, in canonical order."""
     return build_epoch_dataset(
-        uri=info.uri,
-        files=info.files,
-        slices=[Slice(unit, 0, unit.num_rows) for unit in info.read_units()],
-        data_format=info.format,
-        columns=info.read_columns,
-        s3_endpoint_url=s3_endpoint_url,
+        info.shard_source(s3_endpoint_url=s3_endpoint_url),
+        [Slice(unit, 0, unit.num_rows) for unit in info.read_units()],
     )
 
 
