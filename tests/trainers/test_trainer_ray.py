@@ -6,12 +6,14 @@ tiny and each test checks as much as one run can show.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -117,3 +119,34 @@ def test_bad_rows_fail_in_the_workers_with_the_data_error(
     spec = synthetic.make_spec(trainer="mlp", dataset=data, config={"num_classes": 2}, max_steps=5)
     with pytest.raises(TrainingFailed, match=r"label 2 is outside \[0, num_classes=2\)"):
         run(synthetic.make_request(spec, storage=tmp_path / "storage", run_name="bad-rows"))
+
+
+def test_a_custom_trainer_gets_the_dataset_and_the_deterministic_stream(
+    ray_cluster: str, synthetic: Any, tmp_path: Path
+) -> None:
+    """README's custom trainer contract: `get_dataset_shard("train")` covers the epoch, and
+    `trainers.data.iter_batches_for_rank` gives each rank the same disjoint rows on every run."""
+    tokens = [[row % 32, (row + 1) % 32] for row in range(96)]
+    table = pa.table({"id": range(96), "tokens": pa.array(tokens, pa.list_(pa.int64()))})
+    data = synthetic.write_shards(tmp_path / "tokens", table, shards=3)
+    out = tmp_path / "seen"
+    out.mkdir()
+
+    def seen(run_name: str) -> list[dict[str, Any]]:
+        spec = synthetic.make_spec(
+            trainer="tests.trainers.custom_trainer:train",
+            name="custom",
+            dataset=data,
+            config={"out": str(out)},
+            max_steps=4,
+            batch_size=8,
+        )
+        run(synthetic.make_request(spec, storage=tmp_path / "storage", run_name=run_name))
+        return [json.loads((out / f"{run_name}-rank-{rank}.json").read_text()) for rank in (0, 1)]
+
+    first, second = seen("custom-1"), seen("custom-2")
+    assert sum(rank["shard_rows"] for rank in first) == 96
+    assert [rank["stream"] for rank in first] == [rank["stream"] for rank in second]
+    ids = [[row_id for _, batch in rank["stream"] for row_id in batch] for rank in first]
+    assert all(len(set(rank_ids)) == 4 * 8 for rank_ids in ids)
+    assert not set(ids[0]) & set(ids[1])

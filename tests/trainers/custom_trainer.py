@@ -1,0 +1,48 @@
+"""A custom trainer, as a user would write one (`trainer: tests.trainers.custom_trainer:train`).
+
+It reads the job's dataset both ways the README offers: Ray Train's `get_dataset_shard("train")`
+(the whole epoch, split dynamically) and the built-ins' deterministic stream,
+`trainers.data.iter_batches_for_rank`. Each rank writes what it saw to `config.out`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import ray.train
+import torch
+from ray.data.collate_fn import ArrowBatchCollateFn
+
+from service.spec import LaunchRequest
+from trainers.data import DatasetInfo, iter_batches_for_rank
+
+
+class TokensCollate(ArrowBatchCollateFn):
+    def __call__(self, batch: pa.Table) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {
+            "id": torch.tensor(batch.column("id").to_pylist(), dtype=torch.int64),
+            "tokens": torch.tensor(batch.column("tokens").to_pylist(), dtype=torch.int64),
+        }
+
+
+def train(config: dict[str, Any]) -> None:
+    request = LaunchRequest.model_validate(config["request"])
+    info = DatasetInfo.from_dict(config["dataset"])
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+
+    shard_rows = sum(len(batch["id"]) for batch in ray.train.get_dataset_shard("train").iter_batches())
+    stream = iter_batches_for_rank(
+        request.spec, info, rank=rank, world_size=world_size, collate_fn=TokensCollate()
+    )
+    with stream:
+        batches = [next(stream) for _ in range(request.spec.max_steps)]
+    seen = {
+        "shard_rows": shard_rows,
+        "stream": [[epoch, batch["id"].tolist()] for epoch, batch in batches],
+    }
+    out = Path(request.spec.config["out"], f"{request.run_name}-rank-{rank}.json")
+    out.write_text(json.dumps(seen))
