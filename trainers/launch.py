@@ -23,6 +23,7 @@ last such line from the Ray job's logs.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -83,7 +84,7 @@ def run(request: LaunchRequest) -> RunResult:
     """
     started = time.monotonic()
     spec = request.spec
-    train_fn = builtin_train_loop if spec.trainer in BUILTIN_TRAINERS else _custom_trainer(spec.trainer)
+    train_fn = builtin_train_loop if spec.trainer in BUILTIN_TRAINERS else load_custom_trainer(spec.trainer)
     dataset_info = inspect_dataset(spec, s3_endpoint_url=request.s3_endpoint_url)
     storage_path, storage_filesystem = resolve_uri(
         request.storage_uri, s3_endpoint_url=request.s3_endpoint_url
@@ -158,10 +159,34 @@ def builtin_train_loop(config: dict[str, Any]) -> None:
     train_loop_per_worker(config)
 
 
-def _custom_trainer(name: str) -> Callable[[dict[str, Any]], Any]:
-    from trainers.models import load_custom_trainer
+def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
+    """Import `package.module:function` and return the function, or raise ValueError saying why not.
 
-    return load_custom_trainer(name)
+    Custom trainers: `trainer: "package.module:function"` names a function that
+    this module imports on the driver (so a typo fails before any worker starts) and hands to
+    Ray Train as the per-worker function, in place of `trainers.loop.train_loop_per_worker`. It is
+    called once per worker with the same config dict the built-ins get:
+
+        config["request"]  the LaunchRequest as a JSON-ready dict
+                           (`LaunchRequest.model_validate(config["request"])` gives it back; the
+                           JobSpec, with its free-form `config` dict, is `request.spec`)
+        config["dataset"]  what the driver learned of the dataset (`DatasetInfo.from_dict`)
+
+    It reads its shard with `ray.train.get_dataset_shard("train")` and must call
+    `ray.train.report` the same number of times on every rank. The function must be importable on
+    every worker (installed in the cluster's environment or shipped with the job's runtime_env).
+    """
+    module_name, _, attr = trainer.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"trainer {trainer!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"trainer {trainer!r}: cannot import module {module_name!r} ({err})") from err
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise ValueError(f"trainer {trainer!r}: module {module_name!r} has no function {attr!r}")
+    return function
 
 
 def build_scaling_config(spec: JobSpec) -> ray.train.ScalingConfig:

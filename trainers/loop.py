@@ -1,6 +1,6 @@
 """The per-worker train loop of the built-in trainers (`mlp`, `gpt`), run by Ray Train on every rank.
 
-`trainers.launch` hands `train_loop_per_worker` to a `TorchTrainer`; read it top to bottom:
+`trainers.launch` hands it to Ray Train (through `builtin_train_loop`); read it top to bottom:
 
 1. Find where to start: Ray Train's latest checkpoint of this run (a restarted worker group or a
    resubmitted job) holds the step and the exact data position.
@@ -194,6 +194,7 @@ def _prepare(
 
         # 2. This rank's data from that position. It starts reading now, in the background, so the
         # first batch is read while the model is built (the data order uses no global RNG).
+        device = ray.train.torch.get_device()
         batches = iter_batches_for_rank(
             spec,
             dataset,
@@ -202,7 +203,7 @@ def _prepare(
             collate_fn=build_collate(spec, dataset),
             start_epoch=progress.epoch,
             start_sample=progress.batches_in_epoch * spec.batch_size,
-            device=ray.train.torch.get_device(),
+            device=device,
             s3_endpoint_url=request.s3_endpoint_url,
             data_cpus=request.data_cpus,
             trace_name=request.run_name,
@@ -214,7 +215,6 @@ def _prepare(
         # any scale. The optimizer is built on the wrapped model: FSDP replaces parameters by shards.
         # A checkpoint's state loads into them on every rank (an FSDP one re-sharded to this world size).
         torch.manual_seed(spec.seed)
-        device = ray.train.torch.get_device()
         model = parallelize(
             build_model(spec, row_shape=dataset.row_shape), strategy=spec.strategy, device=device
         )

@@ -1,4 +1,4 @@
-"""Models, losses and optimizers of the built-in trainers, and how a custom trainer is found.
+"""Models, losses and optimizers of the built-in trainers.
 
 Built-in trainers (`JobSpec.trainer`):
 
@@ -12,29 +12,13 @@ Built-in trainers (`JobSpec.trainer`):
   predicts `tokens[:, 1:]`, so its context is L - 1. Optimizer: AdamW (weight decay on matrices
   only), linear warmup over `warmup_steps`, then cosine decay to 10% of `lr` at `max_steps`,
   gradients clipped to `grad_clip`.
-
-Custom trainers: `trainer: "package.module:function"` names a function that
-`trainers.launch` imports on the driver (so a typo fails before any worker starts) and hands to
-Ray Train as the per-worker function, in place of `trainers.loop.train_loop_per_worker`. It is
-called once per worker with the same config dict the built-ins get:
-
-    config["request"]  the LaunchRequest as a JSON-ready dict
-                       (`LaunchRequest.model_validate(config["request"])` gives it back; the
-                       JobSpec, with its free-form `config` dict, is `request.spec`)
-    config["dataset"]  what the driver learned of the dataset (`DatasetInfo.from_dict`)
-
-It reads its shard with `ray.train.get_dataset_shard("train")` and must call
-`ray.train.report` the same number of times on every rank. The function must be importable on
-every worker (installed in the cluster's environment or shipped with the job's runtime_env).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -210,18 +194,3 @@ def grad_clip_of(spec: JobSpec) -> float | None:
     """The gradient-norm clip of a built-in trainer; None means measure the norm but do not clip."""
     config = spec.trainer_config()
     return config.grad_clip if isinstance(config, GPTConfig) else None
-
-
-def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
-    """Import `package.module:function` and return the function, or raise ValueError saying why not."""
-    module_name, _, attr = trainer.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"trainer {trainer!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"trainer {trainer!r}: cannot import module {module_name!r} ({err})") from err
-    function = getattr(module, attr, None)
-    if not callable(function):
-        raise ValueError(f"trainer {trainer!r}: module {module_name!r} has no function {attr!r}")
-    return function

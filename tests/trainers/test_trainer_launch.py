@@ -13,6 +13,7 @@ from trainers.launch import (
     TrainingFailed,
     build_scaling_config,
     failure_reason,
+    load_custom_trainer,
     main,
 )
 
@@ -73,3 +74,15 @@ def test_scaling_config_is_fixed_or_elastic(synthetic: Any, num_workers: Any, ex
     assert scaling.elasticity_enabled == isinstance(expected, tuple)
     assert (scaling.min_workers, scaling.max_workers) == (spec.min_workers, spec.max_workers)
     assert not scaling.use_gpu and scaling.resources_per_worker == {"CPU": 1.0}
+
+
+def test_load_custom_trainer() -> None:
+    import os.path
+
+    assert load_custom_trainer("os.path:join") is os.path.join
+    with pytest.raises(ValueError, match=r"cannot import module 'no_such_pkg\.mod'"):
+        load_custom_trainer("no_such_pkg.mod:fn")
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        load_custom_trainer("os.path:nope")
+    with pytest.raises(ValueError, match=r"package\.module:function"):
+        load_custom_trainer("os.path")

@@ -15,7 +15,6 @@ from trainers.models import (
     build_optimizer,
     compute_loss,
     grad_clip_of,
-    load_custom_trainer,
     lr_factor,
 )
 
@@ -121,15 +120,3 @@ def test_mlp_optimizer_is_adam_at_a_constant_lr(synthetic: Any) -> None:
         optimizer.step()
         scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
-
-
-def test_load_custom_trainer() -> None:
-    import os.path
-
-    assert load_custom_trainer("os.path:join") is os.path.join
-    with pytest.raises(ValueError, match=r"cannot import module 'no_such_pkg\.mod'"):
-        load_custom_trainer("no_such_pkg.mod:fn")
-    with pytest.raises(ValueError, match="has no function 'nope'"):
-        load_custom_trainer("os.path:nope")
-    with pytest.raises(ValueError, match=r"package\.module:function"):
-        load_custom_trainer("os.path")
