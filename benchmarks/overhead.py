@@ -187,7 +187,9 @@ class Serve:
 def run_job(client: ApiaryClient, spec: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
     submitted = time.time()
     job = client.submit(spec)
-    job = client.wait(job["id"], timeout_s=timeout_s, poll_s=0.5)
+    # Every figure comes from the job's own timestamps (metrics, events), not from this poll: poll
+    # rarely, so that the benchmark's requests take next to nothing from the job's cores.
+    job = client.wait(job["id"], timeout_s=timeout_s, poll_s=5)
     if job["state"] != "succeeded":
         raise RuntimeError(f"Apiary job {job['id']} ended {job['state']}: {job.get('message')}")
     points = client.metrics(job["id"], rank=0)
@@ -365,13 +367,19 @@ def report(
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=150, help="training steps of each side")
+def publish(text: str, *, results: Path | None) -> None:
+    """Print a report, and append it to `--results` (a markdown file) when given."""
+    print()
+    print(text)
+    if results is not None:
+        with results.open("a") as out:
+            out.write("\n" + text)
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """The workload both sides train (`build_spec` reads it) and where results go; shared with
+    `overhead_breakdown.py`."""
     parser.add_argument("--warmup-steps", type=int, default=10, help="steps left out of the steady state")
-    parser.add_argument("--repeats", type=int, default=3, help="measured Apiary jobs (and plain runs beside)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16, help="per worker")
     parser.add_argument(
@@ -384,6 +392,15 @@ def main() -> None:
     parser.add_argument("--warmup-job-steps", type=int, default=3, help="steps of the job that warms Ray up")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder, removed")
     parser.add_argument("--results", type=Path, default=None, help="append the figures to this markdown file")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=150, help="training steps of each side")
+    parser.add_argument("--repeats", type=int, default=3, help="measured Apiary jobs (and plain runs beside)")
+    add_common_args(parser)
     args = parser.parse_args()
     command = shlex.join(["python", "benchmarks/overhead.py", *sys.argv[1:]])
 
@@ -433,12 +450,7 @@ def main() -> None:
         plains.append(plain())
         print(json.dumps(plains[-1], indent=1), flush=True)
 
-    text = report(args, plains=plains, apiary=apiary, command=command)
-    print()
-    print(text)
-    if args.results is not None:
-        with args.results.open("a") as results:
-            results.write("\n" + text)
+    publish(report(args, plains=plains, apiary=apiary, command=command), results=args.results)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,340 @@
+"""Where the steady-state gap to plain DDP goes: one long Apiary job, the processes beside its ranks paused.
+
+    .venv/bin/python benchmarks/overhead_breakdown.py                  # 20 s windows, ~6 minutes
+    .venv/bin/python benchmarks/overhead_breakdown.py --window-s 30 --results benchmarks/RESULTS.md
+
+`benchmarks/overhead.py` measures the gap; this one splits it. Same workload and baseline (plain
+`torch.distributed` DDP with the machine to itself, `benchmarks/plain_ddp.py`, run before and after),
+then a real `apiary serve` (SQLite, its own local Ray), a warm-up job, and one job long enough for
+these windows, in this order:
+
+- `baseline`: nothing paused;
+- `job helpers paused`: the job's own processes other than its ranks, SIGSTOPped: its Ray job driver
+  and JobSupervisor, Ray Train's controller, synchronization actor, placement-group cleaner and
+  dataset manager, Ray Data's stats and autoscaling actors, idle pool workers;
+- `cluster paused`: the resident Ray cluster: GCS, raylet, dashboard (and its module processes),
+  dashboard and runtime-env agents, log monitor, autoscaler monitor, Ray client server, `ray start`;
+- `all paused`: both, and `apiary serve` itself: the ranks run alone, in Ray Train worker processes.
+
+A `baseline` window sits between each paused one. Every paused process gets SIGCONT at the end of
+its window (and on any error or Ctrl-C). Only descendants of the benchmark's own `apiary serve` are
+ever paused, never another Ray on the machine. This pauses Ray's processes on purpose: it is a
+measurement, not something to run beside real work. A window's rate is rank 0's samples/s between
+its first and last step (from `GET /jobs/{id}/metrics`), its first `--settle-s` seconds left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from overhead import (  # noqa: E402
+    Serve,
+    add_common_args,
+    build_spec,
+    load,
+    publish,
+    run_job,
+    run_plain,
+)
+
+from api.client import TERMINAL, ApiaryClient  # noqa: E402
+from service.datasets import write_token_dataset  # noqa: E402
+
+# Process titles (Ray sets `ray::<Class>` on its worker processes) that are the resident cluster's.
+CLUSTER_RAY_TITLES = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
+RANK_TITLE = "ray::RayTrainWorker"
+DRIVER_MARKER = "-m trainers.launch"
+PLAN = ("baseline", "job", "baseline", "cluster", "baseline", "all", "baseline")
+# What each window pauses: the job's helpers, the resident cluster, or both and the API ('api').
+PAUSES: dict[str, set[str]] = {
+    "baseline": set(),
+    "job": {"job"},
+    "cluster": {"cluster"},
+    "all": {"job", "cluster", "api"},
+}
+LABELS = {
+    "baseline": "baseline (nothing paused)",
+    "job": "job helpers paused",
+    "cluster": "cluster paused",
+    "all": "all paused (ranks alone)",
+}
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    title: str
+
+
+def descendants(root: int) -> list[Proc]:
+    """Every live process under `root` (not `root` itself), from /proc."""
+    children: dict[int, list[int]] = {}
+    titles: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+            titles[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    found: list[Proc] = []
+    stack = list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        found.append(Proc(pid, titles.get(pid, "").strip()))
+        stack.extend(children.get(pid, []))
+    return found
+
+
+def classify(proc: Proc) -> str:
+    """'rank', 'job' (this job's other processes) or 'cluster' (the resident Ray)."""
+    if proc.title.startswith(RANK_TITLE):
+        return "rank"
+    if DRIVER_MARKER in proc.title or (
+        proc.title.startswith("ray::") and not proc.title.startswith(CLUSTER_RAY_TITLES)
+    ):
+        return "job"
+    return "cluster"
+
+
+@contextlib.contextmanager
+def paused(serve_pid: int, kinds: set[str]) -> Iterator[list[Proc]]:
+    """SIGSTOP the serve's descendants of these kinds (and the serve itself for 'api'); SIGCONT after."""
+    targets = [proc for proc in descendants(serve_pid) if classify(proc) in kinds]
+    if "api" in kinds:
+        targets.append(Proc(serve_pid, "apiary serve"))
+    stopped: list[Proc] = []
+    try:
+        for proc in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGSTOP)
+                stopped.append(proc)
+        yield stopped
+    finally:
+        for proc in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+
+
+def summarize_titles(procs: list[Proc]) -> str:
+    """'ray::IDLE x5, gcs_server, ...': what a window paused, by process title (Ray's, or the program)."""
+    names: dict[str, int] = {}
+    for proc in procs:
+        words = proc.title.split()
+        name = words[0] if words and words[0].startswith("ray::") else Path(words[0] if words else "?").name
+        for marker in (
+            "gcs_server",
+            "raylet",
+            "dashboard",
+            "log_monitor",
+            "monitor.py",
+            "client.server",
+            "ray start",
+            "forkserver",
+        ):
+            if marker in proc.title:
+                name = marker
+                break
+        if name.startswith("python") and len(words) > 1:
+            name = Path(next((w for w in words[1:] if not w.startswith("-")), words[1])).name
+        if proc.title.startswith("ray-dashboard-"):
+            name = "dashboard module"
+        elif DRIVER_MARKER in proc.title:
+            name = "job driver (trainers.launch)"
+        names[name] = names.get(name, 0) + 1
+    return ", ".join(f"{name} x{count}" if count > 1 else name for name, count in sorted(names.items()))
+
+
+def window_rate(
+    points: list[dict[str, Any]], *, start: float, end: float, samples_per_step: int
+) -> dict[str, Any]:
+    inside = sorted((p for p in points if start <= p["time"] <= end), key=lambda p: p["step"])
+    if len(inside) < 2:
+        raise RuntimeError(f"no steps between {start:.0f} and {end:.0f}: the job ended early or stalled")
+    first, last = inside[0], inside[-1]
+    values = [p["values"] for p in inside[1:]]
+    return {
+        "steps": last["step"] - first["step"],
+        "samples_per_s": (last["step"] - first["step"]) * samples_per_step / (last["time"] - first["time"]),
+        "data_wait_share": sum(v["data_wait_s"] for v in values) / sum(v["step_time_s"] for v in values),
+    }
+
+
+def wait_for_step(client: ApiaryClient, job_id: int, *, step: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p["step"] >= step for p in client.metrics(job_id, rank=0)):
+            return
+        job = client.get(job_id)
+        if job["state"] in TERMINAL:
+            raise RuntimeError(f"job {job_id} ended {job['state']} before step {step}: {job.get('message')}")
+        time.sleep(2)
+    raise RuntimeError(f"job {job_id} did not reach step {step} in {timeout_s:.0f} s")
+
+
+def run_windows(
+    args: argparse.Namespace, *, workdir: Path, dataset_uri: str, max_steps: int, samples_per_step: int
+) -> dict[str, Any]:
+    serve = Serve(workdir / "apiary")
+    windows: list[dict[str, Any]] = []
+    try:
+        serve.wait_healthy()
+        with ApiaryClient(serve.url, user="benchmark") as client:
+            run_job(
+                client,
+                build_spec(args, dataset_uri=dataset_uri, max_steps=args.warmup_job_steps, name="warmup"),
+                timeout_s=900,
+            )
+            spec = build_spec(args, dataset_uri=dataset_uri, max_steps=max_steps, name="breakdown")
+            job = client.submit(spec)
+            wait_for_step(client, job["id"], step=args.warmup_steps)
+            counts: dict[str, int] = {}
+            titles: dict[str, str] = {}
+            for phase in PLAN:
+                kinds = PAUSES[phase]
+                print(f"window: {LABELS[phase]} ...", flush=True)
+                with paused(serve.process.pid, kinds) as stopped:
+                    started = time.time()
+                    time.sleep(args.window_s)
+                    ended = time.time()
+                if stopped:
+                    counts[phase] = len(stopped)
+                    titles[phase] = summarize_titles(stopped)
+                windows.append({"phase": phase, "start": started + args.settle_s, "end": ended})
+            done = client.wait(job["id"], timeout_s=1800, poll_s=5)
+            if done["state"] != "succeeded":
+                raise RuntimeError(f"job {job['id']} ended {done['state']}: {done.get('message')}")
+            points = client.metrics(job["id"], rank=0)
+    finally:
+        serve.stop()
+    for window in windows:
+        window.update(
+            window_rate(points, start=window["start"], end=window["end"], samples_per_step=samples_per_step)
+        )
+    return {"windows": windows, "paused_counts": counts, "paused_titles": titles}
+
+
+def report(
+    args: argparse.Namespace, *, plains: list[dict[str, Any]], result: dict[str, Any], command: str
+) -> str:
+    plain_sps = statistics.median(run["samples_per_s"] for run in plains)
+    windows = result["windows"]
+    rows = [
+        f"| {i + 1} | {LABELS[w['phase']]} | {result['paused_counts'].get(w['phase'], 0)} | "
+        f"{w['samples_per_s']:.1f} | {w['samples_per_s'] / plain_sps:.3f} | "
+        f"{100 * w['data_wait_share']:.1f} % |"
+        for i, w in enumerate(windows)
+    ]
+    by_phase: dict[str, list[float]] = {}
+    for window in windows:
+        by_phase.setdefault(window["phase"], []).append(window["samples_per_s"])
+    baseline = statistics.mean(by_phase["baseline"])
+    summary = ", ".join(
+        f"{LABELS[phase]} {statistics.mean(rates) / plain_sps:.3f}" for phase, rates in by_phase.items()
+    )
+    return "\n".join(
+        [
+            f"## Orchestration overhead breakdown, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+            "",
+            f"- machine: {os.uname().nodename}, {os.uname().machine}, {os.cpu_count()} cores, no GPU",
+            f"- command: `{command}`",
+            f"- workload: gpt d_model={args.d_model} n_layers={args.n_layers} n_heads={args.n_heads} "
+            f"vocab={args.vocab_size} seq_len={args.seq_len}, "
+            f"{args.workers} workers x batch {args.batch_size}; "
+            f"one Apiary job, {args.window_s:.0f} s windows (first {args.settle_s:.0f} s of each left out)",
+            f"- plain DDP, machine to itself (before, after): "
+            f"{', '.join(format(run['samples_per_s'], '.1f') for run in plains)} samples/s; "
+            f"median {plain_sps:.1f}",
+            "",
+            "| window | what is paused | processes paused | Apiary samples/s | / plain DDP | data wait |",
+            "| ---: | --- | ---: | ---: | ---: | ---: |",
+            *rows,
+            "",
+            f"- mean / plain DDP: {summary}; the baseline windows' mean is {baseline:.1f} samples/s.",
+            *[f"- {LABELS[phase]}: {titles}" for phase, titles in result["paused_titles"].items()],
+            f"- load after: {load()}",
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--window-s", type=float, default=20.0, help="length of each window")
+    parser.add_argument("--settle-s", type=float, default=2.0, help="start of each window left out")
+    parser.add_argument("--plain-steps", type=int, default=300, help="steps of each plain DDP run")
+    add_common_args(parser)
+    args = parser.parse_args()
+    command = shlex.join(["python", "benchmarks/overhead_breakdown.py", *sys.argv[1:]])
+    samples_per_step = args.workers * args.batch_size
+
+    with tempfile.TemporaryDirectory(prefix="apiary-breakdown-") as temporary:
+        workdir = (args.workdir or Path(temporary)).resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+        # Sized from plain DDP's rate so that the job outlasts every window (Apiary is not faster),
+        # and one epoch covers the job: no window holds an epoch boundary.
+        probe_uri = (workdir / "probe").as_uri()
+        write_token_dataset(
+            probe_uri,
+            num_shards=4,
+            rows_per_shard=-(-args.plain_steps * samples_per_step // 4),
+            seq_len=args.seq_len,
+            vocab_size=args.vocab_size,
+        )
+        plain_spec = build_spec(args, dataset_uri=probe_uri, max_steps=args.plain_steps, name="plain")
+
+        def plain() -> dict[str, Any]:
+            result = run_plain(
+                plain_spec, workdir=workdir, samples_per_step=samples_per_step, warmup=args.warmup_steps
+            )
+            print(json.dumps(result), flush=True)
+            return result
+
+        print("plain DDP, machine to itself ...", flush=True)
+        plains = [plain()]
+        seconds = len(PLAN) * args.window_s + 20
+        max_steps = int(plains[0]["samples_per_s"] * seconds * 1.1 / samples_per_step) + args.warmup_steps
+        dataset_uri = (workdir / "tokens").as_uri()
+        write_token_dataset(
+            dataset_uri,
+            num_shards=4,
+            rows_per_shard=-(-max_steps * samples_per_step // 4),
+            seq_len=args.seq_len,
+            vocab_size=args.vocab_size,
+        )
+        result = run_windows(
+            args,
+            workdir=workdir,
+            dataset_uri=dataset_uri,
+            max_steps=max_steps,
+            samples_per_step=samples_per_step,
+        )
+        print("plain DDP, machine to itself again ...", flush=True)
+        plains.append(plain())
+
+    publish(report(args, plains=plains, result=result, command=command), results=args.results)
+
+
+if __name__ == "__main__":
+    main()
