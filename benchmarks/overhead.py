@@ -92,6 +92,11 @@ def steady_state(step_end_times: dict[int, float], *, warmup: int, samples_per_s
     return (last - warmup) * samples_per_step / (step_end_times[last] - step_end_times[warmup])
 
 
+def data_wait_share(values: list[dict[str, float]]) -> float:
+    """The share of step time spent waiting for data, over these per-step metric values."""
+    return sum(v["data_wait_s"] for v in values) / sum(v["step_time_s"] for v in values)
+
+
 def median_step_s(step_end_times: dict[int, float], *, warmup: int) -> float:
     steps = sorted(s for s in step_end_times if s > warmup)
     return statistics.median(
@@ -248,7 +253,7 @@ def measure_job(
         "median_step_s": median_step_s(times, warmup=warmup),
         "first_step_s": times[1] - measured["submitted"],
         "phases": dict(sorted(phases.items(), key=lambda item: item[1])),
-        "data_wait_share": sum(v["data_wait_s"] for v in values) / sum(v["step_time_s"] for v in values),
+        "data_wait_share": data_wait_share(values),
         "final_loss": measured["points"][-1]["values"]["loss"],
         "driver_log": driver_log,
         "load_before": before,

@@ -49,10 +49,12 @@ from overhead import (  # noqa: E402
     Serve,
     add_common_args,
     build_spec,
+    data_wait_share,
     load,
     publish,
     run_job,
     run_plain,
+    steady_state,
 )
 
 from api.client import TERMINAL, ApiaryClient  # noqa: E402
@@ -149,7 +151,7 @@ def summarize_titles(procs: list[Proc]) -> str:
             "monitor.py",
             "client.server",
             "ray start",
-            "forkserver",
+            "multiprocessing",
         ):
             if marker in proc.title:
                 name = marker
@@ -167,15 +169,15 @@ def summarize_titles(procs: list[Proc]) -> str:
 def window_rate(
     points: list[dict[str, Any]], *, start: float, end: float, samples_per_step: int
 ) -> dict[str, Any]:
-    inside = sorted((p for p in points if start <= p["time"] <= end), key=lambda p: p["step"])
+    inside = {p["step"]: p for p in points if start <= p["time"] <= end}
     if len(inside) < 2:
         raise RuntimeError(f"no steps between {start:.0f} and {end:.0f}: the job ended early or stalled")
-    first, last = inside[0], inside[-1]
-    values = [p["values"] for p in inside[1:]]
+    first = min(inside)
     return {
-        "steps": last["step"] - first["step"],
-        "samples_per_s": (last["step"] - first["step"]) * samples_per_step / (last["time"] - first["time"]),
-        "data_wait_share": sum(v["data_wait_s"] for v in values) / sum(v["step_time_s"] for v in values),
+        "samples_per_s": steady_state(
+            {step: p["time"] for step, p in inside.items()}, warmup=first, samples_per_step=samples_per_step
+        ),
+        "data_wait_share": data_wait_share([p["values"] for step, p in inside.items() if step > first]),
     }
 
 
@@ -207,8 +209,7 @@ def run_windows(
             spec = build_spec(args, dataset_uri=dataset_uri, max_steps=max_steps, name="breakdown")
             job = client.submit(spec)
             wait_for_step(client, job["id"], step=args.warmup_steps)
-            counts: dict[str, int] = {}
-            titles: dict[str, str] = {}
+            paused_procs: dict[str, list[Proc]] = {}
             for phase in PLAN:
                 kinds = PAUSES[phase]
                 print(f"window: {LABELS[phase]} ...", flush=True)
@@ -217,8 +218,7 @@ def run_windows(
                     time.sleep(args.window_s)
                     ended = time.time()
                 if stopped:
-                    counts[phase] = len(stopped)
-                    titles[phase] = summarize_titles(stopped)
+                    paused_procs[phase] = stopped
                 windows.append({"phase": phase, "start": started + args.settle_s, "end": ended})
             done = client.wait(job["id"], timeout_s=1800, poll_s=5)
             if done["state"] != "succeeded":
@@ -230,7 +230,7 @@ def run_windows(
         window.update(
             window_rate(points, start=window["start"], end=window["end"], samples_per_step=samples_per_step)
         )
-    return {"windows": windows, "paused_counts": counts, "paused_titles": titles}
+    return {"windows": windows, "paused": paused_procs}
 
 
 def report(
@@ -239,7 +239,7 @@ def report(
     plain_sps = statistics.median(run["samples_per_s"] for run in plains)
     windows = result["windows"]
     rows = [
-        f"| {i + 1} | {LABELS[w['phase']]} | {result['paused_counts'].get(w['phase'], 0)} | "
+        f"| {i + 1} | {LABELS[w['phase']]} | {len(result['paused'].get(w['phase'], []))} | "
         f"{w['samples_per_s']:.1f} | {w['samples_per_s'] / plain_sps:.3f} | "
         f"{100 * w['data_wait_share']:.1f} % |"
         for i, w in enumerate(windows)
@@ -270,7 +270,7 @@ def report(
             *rows,
             "",
             f"- mean / plain DDP: {summary}; the baseline windows' mean is {baseline:.1f} samples/s.",
-            *[f"- {LABELS[phase]}: {titles}" for phase, titles in result["paused_titles"].items()],
+            *[f"- {LABELS[phase]}: {summarize_titles(procs)}" for phase, procs in result["paused"].items()],
             f"- load after: {load()}",
             "",
         ]
