@@ -107,7 +107,15 @@ def median_step_s(step_end_times: dict[int, float], *, warmup: int) -> float:
 # -- plain DDP ---------------------------------------------------------------------------------------
 
 
-def run_plain(spec: dict[str, Any], *, workdir: Path, samples_per_step: int, warmup: int) -> dict[str, Any]:
+def run_plain(
+    spec: dict[str, Any],
+    *,
+    workdir: Path,
+    samples_per_step: int,
+    warmup: int,
+    cpus: set[int] | None = None,
+) -> dict[str, Any]:
+    """One plain DDP run; with `cpus`, its processes (and all they start) run on those cores only."""
     spec_file, out = workdir / "plain-spec.json", workdir / "plain-result.json"
     spec_file.write_text(json.dumps(spec))
     before = load()
@@ -123,6 +131,7 @@ def run_plain(spec: dict[str, Any], *, workdir: Path, samples_per_step: int, war
         ],
         check=True,
         cwd=ROOT,
+        preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
     )
     wall_s = time.time() - started
     result = json.loads(out.read_text())

@@ -1,6 +1,6 @@
-"""Where the steady-state gap to plain DDP goes: one long Apiary job, the processes beside its ranks paused.
+"""Where the steady-state gap to plain DDP goes: one long Apiary job, its neighbours paused or moved.
 
-    .venv/bin/python benchmarks/overhead_breakdown.py                  # 20 s windows, ~6 minutes
+    .venv/bin/python benchmarks/overhead_breakdown.py                  # 20 s windows, ~13 minutes
     .venv/bin/python benchmarks/overhead_breakdown.py --window-s 30 --results benchmarks/RESULTS.md
 
 `benchmarks/overhead.py` measures the gap; this one splits it. Same workload and baseline (plain
@@ -14,13 +14,19 @@ these windows, in this order:
   dataset manager, Ray Data's stats and autoscaling actors, idle pool workers;
 - `cluster paused`: the resident Ray cluster: GCS, raylet, dashboard (and its module processes),
   dashboard and runtime-env agents, log monitor, autoscaler monitor, Ray client server, `ray start`;
-- `all paused`: both, and `apiary serve` itself: the ranks run alone, in Ray Train worker processes.
+- `all paused`: both, and `apiary serve` itself: the ranks run alone, in Ray Train worker processes;
+- `isolated`: nothing paused, but the cores split: the ranks on every core but the last, everything
+  else (cluster, job helpers, `apiary serve`) on the last one. That emulates a node with a core to
+  spare for the orchestrator, as every GPU node has. Its baseline is plain DDP pinned to the ranks'
+  cores (run before and after, like the unpinned one), so the ratio is what Apiary's own path costs
+  when Ray's processes do not compete with the ranks for cores.
 
-A `baseline` window sits between each paused one. Every paused process gets SIGCONT at the end of
-its window (and on any error or Ctrl-C). Only descendants of the benchmark's own `apiary serve` are
-ever paused, never another Ray on the machine. This pauses Ray's processes on purpose: it is a
-measurement, not something to run beside real work. A window's rate is rank 0's samples/s between
-its first and last step (from `GET /jobs/{id}/metrics`), its first `--settle-s` seconds left out.
+A `baseline` window sits between each of the others. Every paused process gets SIGCONT at the end of
+its window, and every moved one its own cores back (also on any error or Ctrl-C). Only descendants
+of the benchmark's own `apiary serve` are ever touched, never another Ray on the machine. This pauses
+Ray's processes on purpose: it is a measurement, not something to run beside real work. A window's
+rate is rank 0's samples/s between its first and last step (from `GET /jobs/{id}/metrics`), its first
+`--settle-s` seconds left out.
 """
 
 from __future__ import annotations
@@ -64,19 +70,21 @@ from service.datasets import write_token_dataset  # noqa: E402
 CLUSTER_RAY_TITLES = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 RANK_TITLE = "ray::RayTrainWorker"
 DRIVER_MARKER = "-m trainers.launch"
-PLAN = ("baseline", "job", "baseline", "cluster", "baseline", "all", "baseline")
+PLAN = ("baseline", "job", "baseline", "cluster", "baseline", "all", "baseline", "isolated", "baseline")
 # What each window pauses: the job's helpers, the resident cluster, or both and the API ('api').
 PAUSES: dict[str, set[str]] = {
     "baseline": set(),
     "job": {"job"},
     "cluster": {"cluster"},
     "all": {"job", "cluster", "api"},
+    "isolated": set(),
 }
 LABELS = {
     "baseline": "baseline (nothing paused)",
     "job": "job helpers paused",
     "cluster": "cluster paused",
     "all": "all paused (ranks alone)",
+    "isolated": "isolated (ranks on their own cores)",
 }
 
 
@@ -135,6 +143,42 @@ def paused(serve_pid: int, kinds: set[str]) -> Iterator[list[Proc]]:
         for proc in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGCONT)
+
+
+def core_split() -> tuple[set[int], set[int]]:
+    """(the ranks' cores, everyone else's) for `isolated`: all this process may use but the last, the last."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise RuntimeError(f"the isolated window needs at least 2 cores; this process may use {cores}")
+    return set(cores[:-1]), {cores[-1]}
+
+
+def _set_cores(pid: int, cores: set[int]) -> None:
+    """Every thread of `pid` onto `cores` (threads started later inherit it from their creator)."""
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), cores)
+
+
+@contextlib.contextmanager
+def isolated(serve_pid: int, *, rank_cores: set[int], other_cores: set[int]) -> Iterator[list[Proc]]:
+    """The serve's ranks onto `rank_cores`, its other processes and itself onto `other_cores`; after,
+    every thread of each moved process (also those started meanwhile) gets the process's cores back."""
+    targets = [*descendants(serve_pid), Proc(serve_pid, "apiary serve")]
+    moved: list[tuple[Proc, set[int]]] = []
+    try:
+        for proc in targets:
+            try:
+                before = os.sched_getaffinity(proc.pid)
+            except OSError:
+                continue  # gone meanwhile
+            moved.append((proc, before))
+            _set_cores(proc.pid, rank_cores if classify(proc) == "rank" else other_cores)
+        yield [proc for proc, _ in moved if classify(proc) != "rank"]
+    finally:
+        for proc, before in moved:
+            _set_cores(proc.pid, before)
 
 
 def summarize_titles(procs: list[Proc]) -> str:
@@ -196,6 +240,7 @@ def wait_for_step(client: ApiaryClient, job_id: int, *, step: int, timeout_s: fl
 def run_windows(
     args: argparse.Namespace, *, workdir: Path, dataset_uri: str, max_steps: int, samples_per_step: int
 ) -> dict[str, Any]:
+    rank_cores, other_cores = core_split()
     serve = Serve(workdir / "apiary")
     windows: list[dict[str, Any]] = []
     try:
@@ -209,16 +254,21 @@ def run_windows(
             spec = build_spec(args, dataset_uri=dataset_uri, max_steps=max_steps, name="breakdown")
             job = client.submit(spec)
             wait_for_step(client, job["id"], step=args.warmup_steps)
-            paused_procs: dict[str, list[Proc]] = {}
+            # Per window, the processes it paused or moved off the ranks' cores.
+            touched: dict[str, list[Proc]] = {}
             for phase in PLAN:
-                kinds = PAUSES[phase]
                 print(f"window: {LABELS[phase]} ...", flush=True)
-                with paused(serve.process.pid, kinds) as stopped:
+                arrangement = (
+                    isolated(serve.process.pid, rank_cores=rank_cores, other_cores=other_cores)
+                    if phase == "isolated"
+                    else paused(serve.process.pid, PAUSES[phase])
+                )
+                with arrangement as procs:
                     started = time.time()
                     time.sleep(args.window_s)
                     ended = time.time()
-                if stopped:
-                    paused_procs[phase] = stopped
+                if procs:
+                    touched[phase] = procs
                 windows.append({"phase": phase, "start": started + args.settle_s, "end": ended})
             done = client.wait(job["id"], timeout_s=1800, poll_s=5)
             if done["state"] != "succeeded":
@@ -230,18 +280,34 @@ def run_windows(
         window.update(
             window_rate(points, start=window["start"], end=window["end"], samples_per_step=samples_per_step)
         )
-    return {"windows": windows, "paused": paused_procs}
+    return {"windows": windows, "touched": touched, "cores": (rank_cores, other_cores)}
+
+
+def _cores(cores: set[int]) -> str:
+    return ",".join(map(str, sorted(cores)))
 
 
 def report(
-    args: argparse.Namespace, *, plains: list[dict[str, Any]], result: dict[str, Any], command: str
+    args: argparse.Namespace,
+    *,
+    plains: list[dict[str, Any]],
+    pinned_plains: list[dict[str, Any]],
+    result: dict[str, Any],
+    command: str,
 ) -> str:
+    """`plains` ran with the machine to themselves, `pinned_plains` on the ranks' cores of `isolated`."""
     plain_sps = statistics.median(run["samples_per_s"] for run in plains)
+    pinned_sps = statistics.median(run["samples_per_s"] for run in pinned_plains)
+    rank_cores, other_cores = result["cores"]
+
+    def versus(phase: str) -> float:
+        return pinned_sps if phase == "isolated" else plain_sps
+
     windows = result["windows"]
     rows = [
-        f"| {i + 1} | {LABELS[w['phase']]} | {len(result['paused'].get(w['phase'], []))} | "
-        f"{w['samples_per_s']:.1f} | {w['samples_per_s'] / plain_sps:.3f} | "
-        f"{100 * w['data_wait_share']:.1f} % |"
+        f"| {i + 1} | {LABELS[w['phase']]} | {len(result['touched'].get(w['phase'], []))} | "
+        f"{w['samples_per_s']:.1f} | {w['samples_per_s'] / versus(w['phase']):.3f}"
+        f"{' *' if w['phase'] == 'isolated' else ''} | {100 * w['data_wait_share']:.1f} % |"
         for i, w in enumerate(windows)
     ]
     by_phase: dict[str, list[float]] = {}
@@ -249,7 +315,7 @@ def report(
         by_phase.setdefault(window["phase"], []).append(window["samples_per_s"])
     baseline = statistics.mean(by_phase["baseline"])
     summary = ", ".join(
-        f"{LABELS[phase]} {statistics.mean(rates) / plain_sps:.3f}" for phase, rates in by_phase.items()
+        f"{LABELS[phase]} {statistics.mean(rates) / versus(phase):.3f}" for phase, rates in by_phase.items()
     )
     return "\n".join(
         [
@@ -264,13 +330,19 @@ def report(
             f"- plain DDP, machine to itself (before, after): "
             f"{', '.join(format(run['samples_per_s'], '.1f') for run in plains)} samples/s; "
             f"median {plain_sps:.1f}",
+            f"- plain DDP on core(s) {_cores(rank_cores)} only (before, after): "
+            f"{', '.join(format(run['samples_per_s'], '.1f') for run in pinned_plains)} samples/s; "
+            f"median {pinned_sps:.1f}",
             "",
-            "| window | what is paused | processes paused | Apiary samples/s | / plain DDP | data wait |",
+            "| window | what is paused or moved | processes | Apiary samples/s | / plain DDP | data wait |",
             "| ---: | --- | ---: | ---: | ---: | ---: |",
             *rows,
             "",
+            f"\\* against plain DDP on the same core(s) {_cores(rank_cores)}; in that window the ranks ran "
+            f"on core(s) {_cores(rank_cores)}, every other process on core {_cores(other_cores)}.",
+            "",
             f"- mean / plain DDP: {summary}; the baseline windows' mean is {baseline:.1f} samples/s.",
-            *[f"- {LABELS[phase]}: {summarize_titles(procs)}" for phase, procs in result["paused"].items()],
+            *[f"- {LABELS[phase]}: {summarize_titles(procs)}" for phase, procs in result["touched"].items()],
             f"- load after: {load()}",
             "",
         ]
@@ -283,7 +355,12 @@ def main() -> None:
     )
     parser.add_argument("--window-s", type=float, default=20.0, help="length of each window")
     parser.add_argument("--settle-s", type=float, default=2.0, help="start of each window left out")
-    parser.add_argument("--plain-steps", type=int, default=300, help="steps of each plain DDP run")
+    parser.add_argument(
+        "--plain-steps",
+        type=int,
+        default=300,
+        help="steps of each plain DDP run on the whole machine (half as many on the ranks' cores)",
+    )
     add_common_args(parser)
     args = parser.parse_args()
     command = shlex.join(["python", "benchmarks/overhead_breakdown.py", *sys.argv[1:]])
@@ -304,15 +381,22 @@ def main() -> None:
         )
         plain_spec = build_spec(args, dataset_uri=probe_uri, max_steps=args.plain_steps, name="plain")
 
-        def plain() -> dict[str, Any]:
+        def plain(cpus: set[int] | None = None) -> dict[str, Any]:
+            where = f"core(s) {_cores(cpus)}" if cpus else "the machine to itself"
+            print(f"plain DDP on {where} ...", flush=True)
+            spec = plain_spec if cpus is None else {**plain_spec, "max_steps": args.plain_steps // 2}
             result = run_plain(
-                plain_spec, workdir=workdir, samples_per_step=samples_per_step, warmup=args.warmup_steps
+                spec,
+                workdir=workdir,
+                samples_per_step=samples_per_step,
+                warmup=args.warmup_steps,
+                cpus=cpus,
             )
             print(json.dumps(result), flush=True)
             return result
 
-        print("plain DDP, machine to itself ...", flush=True)
-        plains = [plain()]
+        rank_cores, _ = core_split()
+        plains, pinned_plains = [plain()], [plain(rank_cores)]
         seconds = len(PLAN) * args.window_s + 20
         max_steps = int(plains[0]["samples_per_s"] * seconds * 1.1 / samples_per_step) + args.warmup_steps
         dataset_uri = (workdir / "tokens").as_uri()
@@ -330,10 +414,13 @@ def main() -> None:
             max_steps=max_steps,
             samples_per_step=samples_per_step,
         )
-        print("plain DDP, machine to itself again ...", flush=True)
+        pinned_plains.append(plain(rank_cores))
         plains.append(plain())
 
-    publish(report(args, plains=plains, result=result, command=command), results=args.results)
+    publish(
+        report(args, plains=plains, pinned_plains=pinned_plains, result=result, command=command),
+        results=args.results,
+    )
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ class RunResult:
 
     @property
     def step(self) -> int:
+        """Rank 0's step at the last checkpoint; 0 without one."""
         return int(self.metrics.get("step", 0))
 
 
@@ -273,12 +274,14 @@ def main() -> int:
         logger.error("job %d attempt %d failed:\n%s", request.job_id, request.attempt, traceback.format_exc())
         return _fail(failure_reason(err))
     logger.info(
-        "job %d attempt %d done: step %d in %.1f s, checkpoint %s",
+        "job %d attempt %d done in %.1f s, %s",
         request.job_id,
         request.attempt,
-        result.step,
         result.elapsed_s,
-        result.checkpoint_uri,
+        # Ray Train knows the step only from a checkpoint's metrics: a custom trainer may report none.
+        f"last checkpoint {result.checkpoint_uri} at step {result.step}"
+        if result.checkpoint_uri is not None
+        else "no checkpoint reported",
     )
     ray.shutdown()
     return 0
