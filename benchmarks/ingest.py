@@ -35,7 +35,7 @@ import ray
 
 from service.datasets import write_token_dataset
 from service.spec import JobSpec, LaunchRequest
-from trainers.data import DatasetInfo, build_collate, inspect_dataset, iter_batches_for_rank
+from trainers.data import Batch, DatasetInfo, build_collate, inspect_dataset, iter_batches_for_rank
 
 SEQ_LEN = 129
 VOCAB = 256
@@ -57,7 +57,10 @@ def make_spec(data: Path, *, batch_size: int, max_steps: int = 10) -> JobSpec:
 
 
 @ray.remote(num_cpus=1)
-def consume(spec_json: str, info: dict[str, Any], *, rank: int, num_batches: int) -> dict[str, float]:
+def consume(spec_json: str, info: dict[str, Any], rank: int, num_batches: int) -> dict[str, float]:
+    # torch's first import in a worker (~1 s) is worker start-up, not the data path: see resume.py.
+    import torch  # noqa: F401
+
     spec = JobSpec.model_validate_json(spec_json)
     dataset = DatasetInfo.from_dict(info)
     started = time.perf_counter()
@@ -78,9 +81,8 @@ def bench_pipeline(spec: JobSpec, info: DatasetInfo, *, epochs: int) -> dict[str
     per_rank_batches = info.num_rows // 2 // spec.batch_size
     results = ray.get(
         [
-            consume.remote(
-                spec.model_dump_json(), info.to_dict(), rank=rank, num_batches=epochs * per_rank_batches
-            )
+            # Positional: Ray's typed `.remote` does not take keyword arguments.
+            consume.remote(spec.model_dump_json(), info.to_dict(), rank, epochs * per_rank_batches)
             for rank in (0, 1)
         ]
     )
@@ -106,7 +108,7 @@ def bench_pyarrow(spec: JobSpec, info: DatasetInfo, *, epochs: int) -> dict[str,
 
 def bench_mock(spec: JobSpec, info: DatasetInfo, *, batches: int) -> dict[str, float]:
     table = pq.ParquetFile(info.files[0]).read_row_group(0, columns=["tokens"]).slice(0, spec.batch_size)
-    batch = build_collate(spec, info)(table)
+    batch: Batch = build_collate(spec, info)(table)
     started = time.perf_counter()
     for _ in range(batches):
         _ = batch["tokens"]
