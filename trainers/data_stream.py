@@ -149,12 +149,24 @@ def read_slices(source: ShardSource, slices: list[Slice]) -> Iterable[pa.Table]:
 
 
 def build_epoch_dataset(
-    source: ShardSource, slices: list[Slice], *, data_cpus: float | None = None
+    source: ShardSource, slices: list[Slice], *, data_cpus: float | None = None, split_blocks: bool = True
 ) -> ray.data.Dataset:
-    """A Ray Data dataset that yields `slices` of `source` in order."""
+    """A Ray Data dataset that yields `slices` of `source` in order.
+
+    With `split_blocks`, Ray Data cuts each read task's output into as many blocks as it thinks the
+    cluster's parallelism wants (200 at least: 36-row blocks for a 7,000-row task), which feeds
+    parallel operators downstream. A rank's own stream has none: without it, a read task's output
+    stays in as few blocks as Ray Data's block size allows, and no time goes into hundreds of tiny
+    blocks.
+    """
+    datasource = SliceDatasource(source, slices)
     # Read tasks ask for a fraction of the limit so that two can overlap even on a 1-CPU budget.
     num_cpus = None if data_cpus is None else max(0.05, data_cpus / 2)
-    dataset = ray.data.read_datasource(SliceDatasource(source, slices), num_cpus=num_cpus)
+    dataset = ray.data.read_datasource(
+        datasource,
+        num_cpus=num_cpus,
+        override_num_blocks=None if split_blocks else max(1, len(datasource.get_read_tasks(1))),
+    )
     # The dataset's own copy of the DataContext: the process-wide one is left as it was.
     # Each rank opens a stream per epoch: Ray Data's progress bars and start banners would repeat in
     # the job's log (and cost the log forwarder CPU beside training) for every one of them. The step
@@ -215,7 +227,7 @@ def iter_rank_batches(
         window = window_rows(shuffle=shuffle, buffer_rows=buffer_rows, per_rank=per_rank)
         first_window = position // window
         begin = first_window * window
-        dataset = build_epoch_dataset(source, seek(slices, begin), data_cpus=data_cpus)
+        dataset = build_epoch_dataset(source, seek(slices, begin), data_cpus=data_cpus, split_blocks=False)
         blocks = dataset.iter_batches(
             batch_size=None, batch_format="pyarrow", prefetch_batches=_PREFETCH_BLOCKS
         )

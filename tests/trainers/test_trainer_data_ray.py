@@ -15,14 +15,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 
 from service.datasets import write_token_dataset
 from service.sharding import shard_dataset
 from service.spec import LAUNCH_ENV_VAR
 from tests.trainers.conftest import local_ray
-from trainers.data import TRACE_ENV_VAR, DatasetError, inspect_dataset
-from trainers.data_order import rank_row_order
+from trainers.data import ID_COLUMN, TRACE_ENV_VAR, DatasetError, inspect_dataset
+from trainers.data_order import Slice, rank_row_order
+from trainers.data_stream import build_epoch_dataset
 from trainers.launch import ERROR_PREFIX, run
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
@@ -187,3 +189,27 @@ def test_a_corrupt_shard_fails_before_any_worker_starts(
     assert process.stderr.rstrip("\n").splitlines()[-1] == (
         f"{ERROR_PREFIX}{prefix} is listed in _manifest.json but missing"
     )
+
+
+def test_a_rank_stream_reads_each_read_task_as_whole_blocks(
+    traced_cluster: str, synthetic: Any, dataset: Path
+) -> None:
+    """Ray Data cuts each read task's output into enough blocks for ~200-way parallelism: dozens of
+    rows each, every one with its own object-store and executor cost. A rank's stream, which has no
+    parallel operator after the read, keeps each task's rows in as few blocks as the size cap allows.
+    """
+    spec = synthetic.make_spec(trainer="gpt", dataset=dataset, config=GPT_CONFIG)
+    info = inspect_dataset(spec)
+    source = info.shard_source(s3_endpoint_url=None, extra_columns=(ID_COLUMN,))
+    slices = [Slice(unit, 0, unit.num_rows) for unit in info.read_units()]
+
+    def blocks(dataset: Any) -> list[pa.Table]:
+        return list(dataset.iter_batches(batch_size=None, batch_format="pyarrow"))
+
+    whole = blocks(build_epoch_dataset(source, slices, split_blocks=False))
+    split = blocks(build_epoch_dataset(source, slices))
+    # 300 rows are one read task (fewer than its minimum rows): one block, not Ray Data's pieces.
+    assert [block.num_rows for block in whole] == [300]
+    assert len(split) > 1, "Ray Data no longer splits read outputs: split_blocks=False can go"
+    # The same rows in the same order either way.
+    assert pa.concat_tables(whole)[ID_COLUMN].to_pylist() == pa.concat_tables(split)[ID_COLUMN].to_pylist()
