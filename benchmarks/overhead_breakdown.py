@@ -71,13 +71,13 @@ CLUSTER_RAY_TITLES = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 RANK_TITLE = "ray::RayTrainWorker"
 DRIVER_MARKER = "-m trainers.launch"
 PLAN = ("baseline", "job", "baseline", "cluster", "baseline", "all", "baseline", "isolated", "baseline")
-# What each window pauses: the job's helpers, the resident cluster, or both and the API ('api').
+# What each window pauses: the job's helpers, the resident cluster, or both and the API ('api');
+# `isolated` pauses nothing but moves processes between cores (see `isolated`).
 PAUSES: dict[str, set[str]] = {
     "baseline": set(),
     "job": {"job"},
     "cluster": {"cluster"},
     "all": {"job", "cluster", "api"},
-    "isolated": set(),
 }
 LABELS = {
     "baseline": "baseline (nothing paused)",
@@ -238,9 +238,16 @@ def wait_for_step(client: ApiaryClient, job_id: int, *, step: int, timeout_s: fl
 
 
 def run_windows(
-    args: argparse.Namespace, *, workdir: Path, dataset_uri: str, max_steps: int, samples_per_step: int
+    args: argparse.Namespace,
+    *,
+    workdir: Path,
+    dataset_uri: str,
+    max_steps: int,
+    samples_per_step: int,
+    cores: tuple[set[int], set[int]],
 ) -> dict[str, Any]:
-    rank_cores, other_cores = core_split()
+    """`cores`: (the ranks', everyone else's) for the isolated window, from `core_split`."""
+    rank_cores, other_cores = cores
     serve = Serve(workdir / "apiary")
     windows: list[dict[str, Any]] = []
     try:
@@ -280,7 +287,7 @@ def run_windows(
         window.update(
             window_rate(points, start=window["start"], end=window["end"], samples_per_step=samples_per_step)
         )
-    return {"windows": windows, "touched": touched, "cores": (rank_cores, other_cores)}
+    return {"windows": windows, "touched": touched}
 
 
 def _cores(cores: set[int]) -> str:
@@ -293,12 +300,13 @@ def report(
     plains: list[dict[str, Any]],
     pinned_plains: list[dict[str, Any]],
     result: dict[str, Any],
+    cores: tuple[set[int], set[int]],
     command: str,
 ) -> str:
     """`plains` ran with the machine to themselves, `pinned_plains` on the ranks' cores of `isolated`."""
     plain_sps = statistics.median(run["samples_per_s"] for run in plains)
     pinned_sps = statistics.median(run["samples_per_s"] for run in pinned_plains)
-    rank_cores, other_cores = result["cores"]
+    rank_cores, other_cores = cores
 
     def versus(phase: str) -> float:
         return pinned_sps if phase == "isolated" else plain_sps
@@ -395,7 +403,8 @@ def main() -> None:
             print(json.dumps(result), flush=True)
             return result
 
-        rank_cores, _ = core_split()
+        cores = core_split()
+        rank_cores = cores[0]
         plains, pinned_plains = [plain()], [plain(rank_cores)]
         seconds = len(PLAN) * args.window_s + 20
         max_steps = int(plains[0]["samples_per_s"] * seconds * 1.1 / samples_per_step) + args.warmup_steps
@@ -413,12 +422,13 @@ def main() -> None:
             dataset_uri=dataset_uri,
             max_steps=max_steps,
             samples_per_step=samples_per_step,
+            cores=cores,
         )
         pinned_plains.append(plain(rank_cores))
         plains.append(plain())
 
     publish(
-        report(args, plains=plains, pinned_plains=pinned_plains, result=result, command=command),
+        report(args, plains=plains, pinned_plains=pinned_plains, result=result, cores=cores, command=command),
         results=args.results,
     )
 
