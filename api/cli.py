@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,11 +12,13 @@ import uvicorn
 from rich.console import Console
 
 from api.app import create_app
-from api.client import TERMINAL, ApiaryClient, ApiaryClientError
+from api.client import ApiaryClientError
+from api.demo import run_demo_job, write_demo_dataset
 from api.server import BackgroundServer
 from service.cluster import free_port
-from service.datasets import write_token_dataset
+from service.errors import one_line
 from service.settings import Settings
+from service.spec import DataFormat
 
 app = typer.Typer(
     help="Apiary: queue and run distributed PyTorch training jobs on Ray.", no_args_is_help=True
@@ -59,67 +60,18 @@ def demo(
     settings = _settings(port=port)
     dataset = settings.data_dir / "datasets" / "demo-tokens"
     console.print(f"[bold]1.[/] writing a synthetic token dataset to {dataset}")
-    write_token_dataset(
-        f"file://{dataset}", num_shards=4, rows_per_shard=512, seq_len=33, vocab_size=64, seed=0
-    )
+    write_demo_dataset(dataset)
     console.print(f"[bold]2.[/] starting Apiary on {settings.resolved_public_url} (SQLite, local Ray)")
     server = BackgroundServer(create_app(settings), host=settings.host, port=settings.port)
     server.start()
     try:
-        code = _run_demo_job(settings.resolved_public_url, dataset=dataset, steps=steps, workers=workers)
+        code = run_demo_job(
+            settings.resolved_public_url, dataset=dataset, steps=steps, workers=workers, console=console
+        )
     finally:
         console.print("stopping Apiary and its local Ray ...")
         server.stop()
     raise typer.Exit(code)
-
-
-def _run_demo_job(url: str, *, dataset: Path, steps: int, workers: int) -> int:
-    spec = {
-        "name": "demo-gpt",
-        "queue": "research",
-        "trainer": "gpt",
-        "num_workers": workers,
-        "resources_per_worker": {"CPU": 1},
-        "dataset": {"uri": f"file://{dataset}", "format": "parquet"},
-        "max_steps": steps,
-        "batch_size": 16,
-        "seed": 0,
-        "checkpoint": {"every_steps": max(1, steps // 3)},
-        "config": {
-            "vocab_size": 64,
-            "d_model": 64,
-            "n_layers": 2,
-            "n_heads": 4,
-            "lr": 3e-3,
-            "warmup_steps": 5,
-        },
-    }
-    with ApiaryClient(url, user="demo") as client:
-        job = client.submit(spec)
-        console.print(
-            f"[bold]3.[/] submitted job {job['id']} ({workers} workers, {steps} steps); waiting for Ray"
-        )
-        shown_state, last_step, started = "", -1, time.monotonic()
-        while job["state"] not in TERMINAL:
-            time.sleep(1)
-            job = client.get(job["id"])
-            if job["state"] != shown_state:
-                shown_state = job["state"]
-                console.print(f"    state: [cyan]{shown_state}[/] ({time.monotonic() - started:.0f} s)")
-            points = client.metrics(job["id"], rank=0, min_step=last_step + 1)
-            for point in points[-1:]:
-                last_step = point["step"]
-                values = point["values"]
-                console.print(
-                    f"    step {last_step:>4}/{steps}  loss {values.get('loss', float('nan')):.3f}  "
-                    f"{values.get('samples_per_s', 0):.0f} samples/s"
-                )
-        style = "green" if job["state"] == "succeeded" else "red"
-        console.print(f"[bold]4.[/] job {job['id']} [{style}]{job['state']}[/]", end="")
-        console.print(f": {job['message']}" if job.get("message") else "")
-        if job.get("latest_checkpoint"):
-            console.print(f"    checkpoint: {job['latest_checkpoint']}")
-        return 0 if job["state"] == "succeeded" else 1
 
 
 data_app = typer.Typer(
@@ -135,8 +87,8 @@ def data_shard(
         str, typer.Argument(help="Destination folder: /abs/path, file:///... or s3://bucket/prefix.")
     ],
     data_format: Annotated[
-        str, typer.Option("--format", help="Shard format: parquet or webdataset.")
-    ] = "parquet",
+        str, typer.Option("--format", help=f"Shard format: {' or '.join(DataFormat)}.")
+    ] = DataFormat.PARQUET.value,
     num_shards: Annotated[int, typer.Option("--num-shards", help="Number of shards to write.")] = 1,
     row_group_rows: Annotated[
         int, typer.Option("--row-group-rows", help="Rows per parquet row group (the unit of resume).")
@@ -159,7 +111,7 @@ def data_shard(
         )
     except (ValueError, OSError) as err:
         # A user mistake (bad path, format, count, unreachable store): one line, exit 2, no traceback.
-        console.print(f"[red]error:[/] {' '.join(str(err).split())}")
+        console.print(f"[red]error:[/] {one_line(err)}")
         raise typer.Exit(2) from None
     console.print(
         f"wrote {len(manifest.shards)} {manifest.format} shards ({manifest.num_rows} rows) "

@@ -15,8 +15,7 @@ from typing import Any
 import httpx
 
 from service.spec import JobSpec, parse_spec_text
-
-TERMINAL = ("succeeded", "failed", "cancelled")
+from service.states import TERMINAL_STATES
 
 
 class ApiaryClientError(Exception):
@@ -102,7 +101,7 @@ class ApiaryClient:
         deadline = time.monotonic() + timeout_s
         while True:
             job = self.get(job_id)
-            if job["state"] in TERMINAL:
+            if job["state"] in TERMINAL_STATES:
                 return job
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} is still {job['state']} after {timeout_s:.0f} s")

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from service.models import Job, JobEvent, JobState, Metric
+from service.models import Job, JobEvent, Metric
 from service.spec import JobSpec
+from service.states import JobState
 
 
 class JobPublic(BaseModel):
@@ -83,7 +83,7 @@ class MetricsPublic(BaseModel):
     count: int
 
 
-class ReportAccepted(BaseModel):
+class TelemetryAccepted(BaseModel):
     stored: int
 
 
@@ -91,4 +91,3 @@ class Health(BaseModel):
     status: str
     database: str
     ray: str
-    details: dict[str, Any] = {}

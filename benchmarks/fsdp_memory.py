@@ -1,6 +1,6 @@
 """FSDP memory: peak memory per worker of FSDP versus DDP, on a `gpt` model large enough to show sharding.
 
-    .venv/bin/python benchmarks/fsdp_memory.py [--results benchmarks/RESULTS.md]
+    .venv/bin/python benchmarks/fsdp_memory.py
 
 One run does both sides, one after the other (so they never share the machine's memory): plain
 `torch.distributed` with 2 gloo processes on CPU (no Ray: the wrapping is the same
@@ -19,7 +19,7 @@ Figures per rank (the largest over ranks):
   (its mmap threshold grows with them), which under FSDP's gather-and-free pattern counted ~0.7 GB
   of freed memory as resident here; the workers run with a fixed `MALLOC_MMAP_THRESHOLD_` so large
   tensors are mapped and unmapped and resident memory follows live memory (for both sides).
-`--results FILE` appends the figures, the machine and the command as a markdown section.
+The report ends with the machine and the command, for `benchmarks/RESULTS.md`.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.spec import JobSpec, Strategy
-from trainers.models import build_model, build_optimizer, compute_loss
 from trainers.parallel import clip_grad_norm, parallelize
+from trainers.registry import builtin_trainer
 
 MIB = 1 << 20
 
@@ -106,20 +106,20 @@ def worker(rank: int, world_size: int, spec_json: str, out: str, port: int) -> N
         baseline = _proc_status_bytes("VmRSS")
 
         torch.manual_seed(spec.seed)
-        model = build_model(spec, row_shape={"seq_len": seq_len})
+        trainer = builtin_trainer(spec)
+        model = trainer.build_model({"seq_len": seq_len})
         num_parameters = sum(p.numel() for p in model.parameters())
         model = parallelize(model, strategy=spec.strategy, device=torch.device("cpu"))
-        optimizer, _ = build_optimizer(model, spec=spec)
+        optimizer, _ = trainer.build_optimizer(model, max_steps=spec.max_steps)
         _release_freed_memory()
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident memory
 
         generator = torch.Generator().manual_seed(rank)
-        config = spec.trainer_config()
-        vocab_size = getattr(config, "vocab_size", 2)
+        vocab_size = trainer.config.vocab_size
         started = time.perf_counter()
         for _ in range(spec.max_steps):
             tokens = torch.randint(0, vocab_size, (spec.batch_size, seq_len), generator=generator)
-            loss = compute_loss(model, {"tokens": tokens}, spec=spec)
+            loss = trainer.loss(model, {"tokens": tokens})
             optimizer.zero_grad(set_to_none=True)  # as the loop does; the last step's gradients stay
             loss.backward()
             clip_grad_norm(model, max_norm=1.0)
@@ -201,21 +201,18 @@ def report(args: argparse.Namespace, ddp: dict[str, Any], fsdp: dict[str, Any]) 
     return "\n".join(lines)
 
 
-def append_results(path: Path, *, text: str, command: str) -> None:
+def machine_and_command() -> str:
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
     machine = (
         f"{platform.node()}: {os.cpu_count()} CPUs, {memory_gib:.0f} GiB, {platform.machine()}, "
         f"torch {torch.__version__}"
     )
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    section = (
-        f"\n## FSDP memory ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)\n\n"
-        f"- command: `{command}`\n- machine: {machine}; load average {load}\n\n{text}\n"
+    command = shlex.join([Path(sys.executable).name, *sys.argv])
+    return (
+        f"- {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, command: `{command}`\n"
+        f"- machine: {machine}; load average {load}"
     )
-    with path.open("a") as results:
-        if results.tell() == 0:
-            results.write("# Benchmark results\n")
-        results.write(section)
 
 
 def main() -> None:
@@ -229,19 +226,15 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--results", type=Path, default=None, help="append the figures to this markdown file")
     args = parser.parse_args()
 
     # Read by glibc when each spawned worker starts (module docstring: peak).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     ddp = run_side(args, Strategy.DDP)
     fsdp = run_side(args, Strategy.FSDP)
-    text = report(args, ddp, fsdp)
-    print(text)
-    if args.results is not None:
-        command = shlex.join([Path(sys.executable).name, *sys.argv])
-        append_results(args.results, text=text, command=command)
-        print(f"appended to {args.results}")
+    print(report(args, ddp, fsdp))
+    print()
+    print(machine_and_command())
 
 
 if __name__ == "__main__":

@@ -33,9 +33,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from service.datasets import write_token_dataset
-from service.spec import JobSpec, LaunchRequest
-from trainers.data import Batch, DatasetInfo, build_collate, inspect_dataset, iter_batches_for_rank
+from api.demo import token_table, write_shards
+from service.protocol import LaunchRequest
+from service.spec import JobSpec
+from trainers.data import DatasetInfo, inspect_dataset, iter_batches_for_rank
+from trainers.registry import builtin_trainer
 
 SEQ_LEN = 129
 VOCAB = 256
@@ -56,17 +58,30 @@ def make_spec(data: Path, *, batch_size: int, max_steps: int = 10) -> JobSpec:
     )
 
 
+def stream_request(spec: JobSpec) -> LaunchRequest:
+    """What a rank's stream reads from the launch request: the spec, and 2 CPUs for its data tasks."""
+    return LaunchRequest(
+        job_id=1,
+        attempt=1,
+        spec=spec,
+        storage_uri="/unused",
+        run_name="bench",
+        telemetry_url=None,
+        data_cpus=2.0,
+    )
+
+
 @ray.remote(num_cpus=1)
-def consume(spec_json: str, info: dict[str, Any], rank: int, num_batches: int) -> dict[str, float]:
+def consume(request_json: str, info: dict[str, Any], rank: int, num_batches: int) -> dict[str, float]:
     # torch's first import in a worker (~1 s) is worker start-up, not the data path: see resume.py.
     import torch  # noqa: F401
 
-    spec = JobSpec.model_validate_json(spec_json)
+    request = LaunchRequest.model_validate_json(request_json)
+    spec = request.spec
     dataset = DatasetInfo.from_dict(info)
     started = time.perf_counter()
-    batches = iter_batches_for_rank(
-        spec, dataset, rank=rank, world_size=2, collate_fn=build_collate(spec, dataset), data_cpus=2.0
-    )
+    collate = builtin_trainer(spec).build_collate(dataset.row_shape, uri=dataset.uri)
+    batches = iter_batches_for_rank(request, dataset, rank=rank, world_size=2, collate_fn=collate)
     next(batches)
     first_s = time.perf_counter() - started
     steady_started = time.perf_counter()
@@ -82,7 +97,7 @@ def bench_pipeline(spec: JobSpec, info: DatasetInfo, *, epochs: int) -> dict[str
     results = ray.get(
         [
             # Positional: Ray's typed `.remote` does not take keyword arguments.
-            consume.remote(spec.model_dump_json(), info.to_dict(), rank, epochs * per_rank_batches)
+            consume.remote(stream_request(spec).to_env(), info.to_dict(), rank, epochs * per_rank_batches)
             for rank in (0, 1)
         ]
     )
@@ -93,7 +108,7 @@ def bench_pipeline(spec: JobSpec, info: DatasetInfo, *, epochs: int) -> dict[str
 
 
 def bench_pyarrow(spec: JobSpec, info: DatasetInfo, *, epochs: int) -> dict[str, float]:
-    collate = build_collate(spec, info)
+    collate = builtin_trainer(spec).build_collate(info.row_shape, uri=info.uri)
     started = time.perf_counter()
     rows = 0
     first_s = None
@@ -108,7 +123,7 @@ def bench_pyarrow(spec: JobSpec, info: DatasetInfo, *, epochs: int) -> dict[str,
 
 def bench_mock(spec: JobSpec, info: DatasetInfo, *, batches: int) -> dict[str, float]:
     table = pq.ParquetFile(info.files[0]).read_row_group(0, columns=["tokens"]).slice(0, spec.batch_size)
-    batch: Batch = build_collate(spec, info)(table)
+    batch = builtin_trainer(spec).build_collate(info.row_shape, uri=info.uri)(table)
     started = time.perf_counter()
     for _ in range(batches):
         _ = batch["tokens"]
@@ -116,7 +131,7 @@ def bench_mock(spec: JobSpec, info: DatasetInfo, *, batches: int) -> dict[str, f
 
 
 class Collector:
-    """Receives the trainer's metric posts (ReportBatch JSON) on 127.0.0.1."""
+    """Receives the trainers' telemetry (TelemetryBatch JSON) on 127.0.0.1."""
 
     def __init__(self) -> None:
         self.points: list[dict[str, Any]] = []
@@ -134,7 +149,7 @@ class Collector:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/report"
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/telemetry"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
@@ -149,7 +164,7 @@ def bench_gpt(data: Path, storage: Path, *, steps: int, batch_size: int) -> dict
         spec=spec,
         storage_uri=str(storage),
         run_name="ingest-gpt",
-        report_url=collector.url,
+        telemetry_url=collector.url,
     )
     run(request)
     collector.server.shutdown()
@@ -178,13 +193,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="apiary-ingest-") as tmp:
         data = Path(tmp) / "tokens"
-        write_token_dataset(
-            data.as_uri(),
-            num_shards=args.shards,
-            rows_per_shard=args.rows_per_shard,
-            seq_len=SEQ_LEN,
-            vocab_size=VOCAB,
-        )
+        table = token_table(num_rows=args.shards * args.rows_per_shard, seq_len=SEQ_LEN, vocab_size=VOCAB)
+        write_shards(table, data.as_uri(), num_shards=args.shards)
         spec = make_spec(data, batch_size=args.batch_size)
         info = inspect_dataset(spec)
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)

@@ -1,10 +1,10 @@
 """Orchestration overhead: an Apiary job versus plain `torch.distributed` DDP, same model, data and workers.
 
     .venv/bin/python benchmarks/overhead.py                  # 150 steps, 3 Apiary jobs
-    .venv/bin/python benchmarks/overhead.py --steps 300 --repeats 5 --results benchmarks/RESULTS.md
+    .venv/bin/python benchmarks/overhead.py --steps 300 --repeats 5
 
-One run does both sides on one synthetic token dataset (parquet, written with
-`service.datasets.write_token_dataset`) and one JobSpec (built-in `gpt`, 2 workers, 1 CPU each):
+One run does both sides on one synthetic token dataset (parquet, `api.demo.token_table`) and one
+JobSpec (built-in `gpt`, 2 workers, 1 CPU each):
 
 1. plain DDP with the machine to itself: `benchmarks/plain_ddp.py`, 2 processes, gloo, pyarrow reads
    the shards into memory;
@@ -22,8 +22,8 @@ Figures, from the unix time at which rank 0 finished each step (both sides recor
 - fixed cost: from submission (POST /jobs; for plain DDP the process start) to the end of step 1
   (goal < 15 s for Apiary on a running cluster), split into milestones from the job's events, the
   driver's log and rank 0's "ready" log line.
-The machine's load average is printed beside each side: other work on the machine skews both.
-`--results benchmarks/RESULTS.md` appends the figures as a markdown section.
+The machine's load average is printed beside each side: other work on the machine skews both. The
+report ends with a markdown section (figures, machine, command) for `benchmarks/RESULTS.md`.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from api.client import ApiaryClient  # noqa: E402
+from api.demo import token_table, write_shards  # noqa: E402
 from service.cluster import RayBackend, free_port  # noqa: E402
-from service.datasets import write_token_dataset  # noqa: E402
 
 GOAL_RATIO = 0.95
 GOAL_FIXED_COST_S = 15.0
@@ -381,18 +381,14 @@ def report(
     )
 
 
-def publish(text: str, *, results: Path | None) -> None:
-    """Print a report, and append it to `--results` (a markdown file) when given."""
-    print()
-    print(text)
-    if results is not None:
-        with results.open("a") as out:
-            out.write("\n" + text)
+def write_dataset(uri: str, args: argparse.Namespace, *, num_rows: int, num_shards: int) -> None:
+    """The token rows both sides train on, as `num_shards` parquet shards."""
+    table = token_table(num_rows=num_rows, seq_len=args.seq_len, vocab_size=args.vocab_size)
+    write_shards(table, uri, num_shards=num_shards)
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """The workload both sides train (`build_spec` reads it) and where results go; shared with
-    `overhead_breakdown.py`."""
+    """The workload both sides train (`build_spec` reads it); shared with `overhead_breakdown.py`."""
     parser.add_argument("--warmup-steps", type=int, default=10, help="steps left out of the steady state")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16, help="per worker")
@@ -405,7 +401,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-heads", type=int, default=4)
     parser.add_argument("--warmup-job-steps", type=int, default=3, help="steps of the job that warms Ray up")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder, removed")
-    parser.add_argument("--results", type=Path, default=None, help="append the figures to this markdown file")
 
 
 def main() -> None:
@@ -427,13 +422,7 @@ def main() -> None:
         num_shards = 4
         rows_per_shard = -(-args.steps * samples_per_step // num_shards)
         dataset_uri = (workdir / "tokens").as_uri()
-        write_token_dataset(
-            dataset_uri,
-            num_shards=num_shards,
-            rows_per_shard=rows_per_shard,
-            seq_len=args.seq_len,
-            vocab_size=args.vocab_size,
-        )
+        write_dataset(dataset_uri, args, num_rows=num_shards * rows_per_shard, num_shards=num_shards)
         spec = build_spec(args, dataset_uri=dataset_uri, max_steps=args.steps, name="overhead")
         warmup_spec = build_spec(
             args, dataset_uri=dataset_uri, max_steps=args.warmup_job_steps, name="warmup"
@@ -464,7 +453,8 @@ def main() -> None:
         plains.append(plain())
         print(json.dumps(plains[-1], indent=1), flush=True)
 
-    publish(report(args, plains=plains, apiary=apiary, command=command), results=args.results)
+    print()
+    print(report(args, plains=plains, apiary=apiary, command=command))
 
 
 if __name__ == "__main__":

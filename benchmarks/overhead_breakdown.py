@@ -1,7 +1,7 @@
 """Where the steady-state gap to plain DDP goes: one long Apiary job, its neighbours paused or moved.
 
     .venv/bin/python benchmarks/overhead_breakdown.py                  # 20 s windows, ~13 minutes
-    .venv/bin/python benchmarks/overhead_breakdown.py --window-s 30 --results benchmarks/RESULTS.md
+    .venv/bin/python benchmarks/overhead_breakdown.py --window-s 30
 
 `benchmarks/overhead.py` measures the gap; this one splits it. Same workload and baseline (plain
 `torch.distributed` DDP with the machine to itself, `benchmarks/plain_ddp.py`, run before and after),
@@ -57,14 +57,14 @@ from overhead import (  # noqa: E402
     build_spec,
     data_wait_share,
     load,
-    publish,
     run_job,
     run_plain,
     steady_state,
+    write_dataset,
 )
 
-from api.client import TERMINAL, ApiaryClient  # noqa: E402
-from service.datasets import write_token_dataset  # noqa: E402
+from api.client import ApiaryClient  # noqa: E402
+from service.states import TERMINAL_STATES  # noqa: E402
 
 # Process titles (Ray sets `ray::<Class>` on its worker processes) that are the resident cluster's.
 CLUSTER_RAY_TITLES = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
@@ -231,7 +231,7 @@ def wait_for_step(client: ApiaryClient, job_id: int, *, step: int, timeout_s: fl
         if any(p["step"] >= step for p in client.metrics(job_id, rank=0)):
             return
         job = client.get(job_id)
-        if job["state"] in TERMINAL:
+        if job["state"] in TERMINAL_STATES:
             raise RuntimeError(f"job {job_id} ended {job['state']} before step {step}: {job.get('message')}")
         time.sleep(2)
     raise RuntimeError(f"job {job_id} did not reach step {step} in {timeout_s:.0f} s")
@@ -380,12 +380,8 @@ def main() -> None:
         # Sized from plain DDP's rate so that the job outlasts every window (Apiary is not faster),
         # and one epoch covers the job: no window holds an epoch boundary.
         probe_uri = (workdir / "probe").as_uri()
-        write_token_dataset(
-            probe_uri,
-            num_shards=4,
-            rows_per_shard=-(-args.plain_steps * samples_per_step // 4),
-            seq_len=args.seq_len,
-            vocab_size=args.vocab_size,
+        write_dataset(
+            probe_uri, args, num_rows=4 * -(-args.plain_steps * samples_per_step // 4), num_shards=4
         )
         plain_spec = build_spec(args, dataset_uri=probe_uri, max_steps=args.plain_steps, name="plain")
 
@@ -409,13 +405,7 @@ def main() -> None:
         seconds = len(PLAN) * args.window_s + 20
         max_steps = int(plains[0]["samples_per_s"] * seconds * 1.1 / samples_per_step) + args.warmup_steps
         dataset_uri = (workdir / "tokens").as_uri()
-        write_token_dataset(
-            dataset_uri,
-            num_shards=4,
-            rows_per_shard=-(-max_steps * samples_per_step // 4),
-            seq_len=args.seq_len,
-            vocab_size=args.vocab_size,
-        )
+        write_dataset(dataset_uri, args, num_rows=4 * -(-max_steps * samples_per_step // 4), num_shards=4)
         result = run_windows(
             args,
             workdir=workdir,
@@ -427,9 +417,9 @@ def main() -> None:
         pinned_plains.append(plain(rank_cores))
         plains.append(plain())
 
-    publish(
-        report(args, plains=plains, pinned_plains=pinned_plains, result=result, cores=cores, command=command),
-        results=args.results,
+    print()
+    print(
+        report(args, plains=plains, pinned_plains=pinned_plains, result=result, cores=cores, command=command)
     )
 
 

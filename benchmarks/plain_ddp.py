@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.spec import JobSpec
 from service.storage import list_shards
-from trainers.models import build_model, build_optimizer, compute_loss, grad_clip_of
+from trainers.registry import builtin_trainer
 
 
 def load_rows(spec: JobSpec, *, rank: int, world_size: int) -> np.ndarray:
@@ -53,9 +53,10 @@ def worker(rank: int, world_size: int, spec_json: str, out: str, threads: int, p
     spec = JobSpec.model_validate_json(spec_json)
     rows = load_rows(spec, rank=rank, world_size=world_size)
     torch.manual_seed(spec.seed)
-    model = nn.parallel.DistributedDataParallel(build_model(spec, row_shape={"seq_len": rows.shape[1]}))
-    optimizer, scheduler = build_optimizer(model.module, spec=spec)
-    grad_clip = grad_clip_of(spec) or math.inf
+    trainer = builtin_trainer(spec)
+    model = nn.parallel.DistributedDataParallel(trainer.build_model({"seq_len": rows.shape[1]}))
+    optimizer, lr_schedule = trainer.build_optimizer(model.module, max_steps=spec.max_steps)
+    grad_clip = trainer.grad_clip or math.inf
     batches_per_epoch = len(rows) // spec.batch_size
     step_times: list[float] = []
     losses: list[float] = []
@@ -63,12 +64,12 @@ def worker(rank: int, world_size: int, spec_json: str, out: str, threads: int, p
     for step in range(spec.max_steps):
         start = (step % batches_per_epoch) * spec.batch_size
         batch = {"tokens": torch.from_numpy(rows[start : start + spec.batch_size])}
-        loss = compute_loss(model, batch, spec=spec)
+        loss = trainer.loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
         optimizer.step()
-        scheduler.step()
+        lr_schedule.step()
         # The same host syncs as Apiary's loop (it records loss and grad norm every step).
         losses.append(loss.item())
         grad_norm.item()

@@ -24,33 +24,39 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ingest import stream_request
 
-from service.datasets import write_token_dataset
+from api.demo import token_table, write_shards
+from service.protocol import LaunchRequest
 from service.spec import JobSpec
-from trainers.data import DatasetInfo, build_collate, inspect_dataset, iter_batches_for_rank
+from trainers.data import DatasetInfo, inspect_dataset, iter_batches_for_rank
+from trainers.data_order import DataPosition
+from trainers.registry import builtin_trainer
 
 SEQ_LEN = 129
 VOCAB = 256
 
 
 @ray.remote(num_cpus=1)
-def first_batch_s(spec_json: str, info: dict[str, Any], rank: int, start_sample: int, naive: bool) -> float:
+def first_batch_s(
+    request_json: str, info: dict[str, Any], rank: int, start_sample: int, naive: bool
+) -> float:
     # The collate builds torch tensors, and torch is imported on first use: in a restarted worker
     # that import overlaps the model build, not the data path. Whichever Ray worker process runs
     # this task for the first time would otherwise add ~1 s of import to a random few timings.
     import torch  # noqa: F401
 
-    spec = JobSpec.model_validate_json(spec_json)
+    request = LaunchRequest.model_validate_json(request_json)
+    spec = request.spec
     dataset = DatasetInfo.from_dict(info)
     started = time.perf_counter()
     batches = iter_batches_for_rank(
-        spec,
+        request,
         dataset,
         rank=rank,
         world_size=2,
-        collate_fn=build_collate(spec, dataset),
-        start_sample=0 if naive else start_sample,
-        data_cpus=2.0,
+        collate_fn=builtin_trainer(spec).build_collate(dataset.row_shape, uri=dataset.uri),
+        start=DataPosition(0, 0 if naive else start_sample),
     )
     for _ in range(start_sample // spec.batch_size if naive else 0):
         next(batches)
@@ -66,7 +72,7 @@ def time_resume(spec: JobSpec, info: DatasetInfo, *, start_sample: int, naive: b
         ray.get(
             [
                 # Positional: Ray's typed `.remote` does not take keyword arguments.
-                first_batch_s.remote(spec.model_dump_json(), info.to_dict(), rank, start_sample, naive)
+                first_batch_s.remote(stream_request(spec).to_env(), info.to_dict(), rank, start_sample, naive)
                 for rank in (0, 1)
             ]
         )
@@ -84,13 +90,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="apiary-resume-") as tmp:
         data = Path(tmp) / "tokens"
-        write_token_dataset(
-            data.as_uri(),
-            num_shards=args.shards,
-            rows_per_shard=args.rows_per_shard,
-            seq_len=SEQ_LEN,
-            vocab_size=VOCAB,
-        )
+        table = token_table(num_rows=args.shards * args.rows_per_shard, seq_len=SEQ_LEN, vocab_size=VOCAB)
+        write_shards(table, data.as_uri(), num_shards=args.shards)
         spec = JobSpec.model_validate(
             {
                 "name": "bench",

@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -37,8 +36,6 @@ from service.policy import ClusterSnapshot, NodeCapacity
 
 logger = logging.getLogger(__name__)
 
-ERROR_PREFIX = "apiary-error:"
-
 
 class RayJobStatus(StrEnum):
     PENDING = "PENDING"
@@ -47,15 +44,6 @@ class RayJobStatus(StrEnum):
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     MISSING = "MISSING"  # the cluster does not know the submission (e.g. it was restarted)
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in (
-            RayJobStatus.STOPPED,
-            RayJobStatus.SUCCEEDED,
-            RayJobStatus.FAILED,
-            RayJobStatus.MISSING,
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,23 +149,6 @@ def _schedulable(resources: dict[str, float]) -> dict[str, float]:
     }
 
 
-def failure_reason(logs: str, fallback: str) -> str:
-    """The trainer's last `apiary-error:` line, else the last exception line, else Ray's message."""
-    lines = [line.strip() for line in logs.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if line.startswith(ERROR_PREFIX):
-            return line.removeprefix(ERROR_PREFIX).strip()
-    for line in reversed(lines):
-        if re.match(r"^[A-Za-z_.]*(Error|Exception)\b.*:", line):
-            return line[:500]
-    return fallback or "the Ray job failed without a message"
-
-
-def trainer_entrypoint() -> str:
-    """The launch command, with the interpreter of Apiary's own environment (not the raylet's PATH)."""
-    return f"{sys.executable} -m trainers.launch"
-
-
 # ---------------------------------------------------------------------------------------------
 # The embedded local Ray
 
@@ -201,8 +172,7 @@ _PORT_FLAGS = (
 LOCAL_RAY_ENV = {
     # Ray runs worker processes at nice 15, below its own daemons (raylet, GCS, dashboard) and the
     # API. On a machine whose cores the train workers fill, every wake-up of those then preempts a
-    # rank, and DDP's all-reduce makes the other rank wait too: measured here, steps ran ~25% slower
-    # than the same DDP script's at nice 0 (benchmarks/RESULTS.md, orchestration overhead).
+    # rank, and DDP's all-reduce makes the other rank wait too (benchmarks/overhead.py shows the cost).
     "RAY_worker_niceness": "0",
     # One more actor process per job, watching for node drains (spot preemption): none on one machine.
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",

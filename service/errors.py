@@ -1,4 +1,5 @@
-"""Domain errors. The API maps each class to one HTTP status, once (api/errors.py)."""
+"""Domain errors, and the one-line form their messages take. The API maps each class to one HTTP status,
+once (api/errors.py)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,8 @@ class InvalidTransition(ApiaryError):
 
 class ClusterUnavailable(ApiaryError):
     """The Ray cluster cannot be reached right now; try again shortly."""
+
+
+def one_line(error: BaseException | str) -> str:
+    """An error's text as one line (a user reads it in a log line, a CLI message or an API field)."""
+    return " ".join(str(error).split()) or (error if isinstance(error, str) else type(error).__name__)

@@ -1,4 +1,4 @@
-"""What the API asks of the domain: submit, cancel, look up, and take trainer reports."""
+"""What the API asks of the domain: submit, cancel, look up, and take trainer telemetry."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from service import repository
 from service.cluster import ClusterBackend
 from service.db import Database
 from service.errors import ClusterUnavailable, InvalidSpec, InvalidTransition, Unschedulable
-from service.models import Job, JobEvent, JobState, Metric
+from service.models import Job, JobEvent, Metric
 from service.policy import Gang, capacity_text, fits_empty_cluster
+from service.protocol import TelemetryBatch
 from service.settings import Settings
-from service.spec import BUILTIN_TRAINERS, JobSpec, ReportBatch
+from service.spec import BUILTIN_TRAINERS, JobSpec
+from service.states import JobState
 from service.storage import list_shards
 
 logger = logging.getLogger(__name__)
@@ -73,8 +75,8 @@ class JobService:
                 extra={"action": "ray_stop_failed", "submission_id": submission_id},
             )
 
-    def ingest(self, job_id: int, batch: ReportBatch) -> int:
-        """Store a trainer's report (metrics of one rank, maybe a checkpoint)."""
+    def ingest(self, job_id: int, batch: TelemetryBatch) -> int:
+        """Store a trainer rank's telemetry (its metric points, maybe a saved checkpoint)."""
         with self.db.session() as session:
             job = repository.get_job(session, job_id)
             stored = repository.add_metrics(session, job, attempt=batch.attempt, points=batch.points)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -22,6 +21,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from service.states import JobState
+
 # Named constraints, so that migrations on SQLite and PostgreSQL agree on names.
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -34,22 +35,6 @@ NAMING = {
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-class JobState(StrEnum):
-    QUEUED = "queued"
-    ADMITTED = "admitted"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in TERMINAL_STATES
-
-
-TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
 
 class Base(DeclarativeBase):

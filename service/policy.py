@@ -21,11 +21,10 @@ Glossary:
   first-fit node by node, so a gang that fits the cluster's sum but no node
   layout is not admitted.
 
-This first policy is strict priority order (priority, then age): when the head
-of the line does not fit, everything behind it waits, so a big job is never
-starved by a stream of small ones. The two-queue scheduler (guaranteed shares,
-borrowing, reservations with backfill, preemption) replaces it behind the same
-signature.
+The policy is strict priority order (priority, then age) over one line: when
+the head of the line does not fit, everything behind it waits, so a big job is
+never starved by a stream of small ones. It reads neither the queue nor the
+time.
 """
 
 from __future__ import annotations
@@ -88,7 +87,7 @@ def decide(
     now: float,
 ) -> Decisions:
     """Admit queued gangs, in the given order, while each fits the free capacity."""
-    del now  # the first policy is time-independent; the signature is the interface
+    del now  # the order does not depend on time; the loop and a simulator pass it all the same
     free = [dict(node.resources) for node in cluster.nodes]
     for gang in active:
         # Active gangs were admitted when they fitted; place them as Ray would have (best effort).

@@ -13,9 +13,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from service.errors import InvalidTransition, JobNotFound
-from service.models import Job, JobEvent, JobState, Metric, utcnow
-from service.spec import JobSpec, MetricPoint
-from service.states import ACTIVE_STATES, can_transition
+from service.models import Job, JobEvent, Metric, utcnow
+from service.protocol import MetricPoint
+from service.spec import JobSpec
+from service.states import ACTIVE_STATES, JobState, can_transition
 
 logger = logging.getLogger(__name__)
 

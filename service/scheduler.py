@@ -23,14 +23,16 @@ import time
 from sqlalchemy.orm import Session
 
 from service import repository
-from service.cluster import ClusterBackend, RayJobStatus, failure_reason, trainer_entrypoint
+from service.cluster import ClusterBackend, RayJobStatus
 from service.db import Database
 from service.errors import ClusterUnavailable
 from service.jobs import gang_for
-from service.models import Job, JobState
+from service.models import Job
 from service.policy import decide
+from service.protocol import LaunchRequest, entrypoint, launch_env, reason_from_logs
 from service.settings import Settings
-from service.spec import LAUNCH_ENV_VAR, JobSpec, LaunchRequest
+from service.spec import JobSpec
+from service.states import JobState
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ class Scheduler:
                 continue
             reason = ""
             if info.status is RayJobStatus.FAILED:
-                reason = failure_reason(self.backend.job_logs(submission_id), info.message)
+                reason = reason_from_logs(self.backend.job_logs(submission_id), info.message)
             with self.db.session() as session:
                 job = repository.get_job(session, job_id, for_update=True)
                 if job.ray_submission_id == submission_id and job.state in (
@@ -184,23 +186,20 @@ class Scheduler:
                 spec=JobSpec.model_validate(job.spec),
                 storage_uri=self.settings.resolved_storage_uri,
                 run_name=run_name(job.id),
-                report_url=f"{self.settings.resolved_public_url}/internal/jobs/{job.id}/reports",
+                telemetry_url=f"{self.settings.resolved_public_url}/internal/jobs/{job.id}/telemetry",
                 data_cpus=self.settings.data_cpus_per_job,
                 s3_endpoint_url=self.settings.s3_endpoint_url,
+                data_trace_dir=str(self.settings.data_trace_dir) if self.settings.data_trace_dir else None,
             )
         env_vars = {
-            LAUNCH_ENV_VAR: launch.to_env(),
-            "PYTHONUNBUFFERED": "1",
-            "RAY_CHDIR_TO_TRIAL_DIR": "0",
+            **launch_env(launch),
             # S3 credentials for the driver, the Train workers and the Ray Data tasks, on every node.
             # They go in the runtime_env only, never in the launch request (which Ray Train logs and
             # stores) nor in any log line here.
             **self.settings.job_aws_env(),
         }
         try:
-            self.backend.submit(
-                submission_id=submission_id, entrypoint=trainer_entrypoint(), env_vars=env_vars
-            )
+            self.backend.submit(submission_id=submission_id, entrypoint=entrypoint(), env_vars=env_vars)
         except Exception as err:
             with self.db.session() as session:
                 job = repository.get_job(session, job_id, for_update=True)

@@ -51,6 +51,11 @@ class Settings(BaseSettings):
         default=1.0, gt=0, description="CPUs reserved per job for its Ray Data tasks (part of its gang)."
     )
     scheduler_interval_s: float = Field(default=1.0, gt=0)
+    data_trace_dir: Path | None = Field(
+        default=None,
+        description="Debugging aid: every job's ranks append the sample ids of each step under this "
+        "folder (one it can write on every node), as {data_trace_dir}/job-<id>/rank-<r>.jsonl.",
+    )
 
     @field_validator("data_dir")
     @classmethod

@@ -1,25 +1,16 @@
 """The job spec: the one schema that the API, the service and the trainers share.
 
-A spec that the API accepts is exactly what the trainer runs. This module must
-stay importable without SQLAlchemy, FastAPI or Ray: the trainer imports it on
-the cluster.
-
-Besides the user's `JobSpec`, two wire formats live here because both sides of
-the service/trainer boundary need them:
-
-- `LaunchRequest`: what the service hands the trainer's entrypoint
-  (`python -m trainers.launch`) through the environment variable
-  `APIARY_LAUNCH` of the Ray job.
-- `ReportBatch`: what a trainer rank posts back to the control plane
-  (per-step metric points and the latest checkpoint).
+A spec that the API accepts is exactly what the trainer runs. This module must stay importable
+without SQLAlchemy, FastAPI or Ray: the trainers import it on the cluster. It also holds the
+hyperparameter schemas of the built-in trainers (`BUILTIN_CONFIGS`), so that the API validates a
+built-in's `config` without importing the trainers; `trainers.registry` binds each name to its
+implementation.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from enum import StrEnum
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -33,9 +24,6 @@ from pydantic import (
     model_validator,
 )
 
-LAUNCH_ENV_VAR = "APIARY_LAUNCH"
-
-BUILTIN_TRAINERS = ("mlp", "gpt")
 MAX_WORKERS = 1024
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -52,13 +40,20 @@ class Strategy(StrEnum):
     FSDP = "fsdp"
 
 
-class _Strict(BaseModel):
+class DataFormat(StrEnum):
+    PARQUET = "parquet"
+    WEBDATASET = "webdataset"
+
+
+class Strict(BaseModel):
+    """Unknown fields are an error, and a validated value never changes."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class DatasetSpec(_Strict):
+class DatasetSpec(Strict):
     uri: str = Field(description="Folder or file of shards: file:///abs/path or s3://bucket/prefix.")
-    format: Literal["parquet", "webdataset"] = "parquet"
+    format: DataFormat = DataFormat.PARQUET
     shuffle: bool = Field(default=True, description="Shuffle shards and samples by (seed, epoch).")
     shuffle_buffer_rows: int = Field(
         default=1024, ge=1, description="Samples are shuffled within a window of this many rows."
@@ -72,7 +67,7 @@ class DatasetSpec(_Strict):
         return uri
 
 
-class CheckpointSpec(_Strict):
+class CheckpointSpec(Strict):
     every_steps: int | None = Field(
         default=None,
         ge=1,
@@ -80,7 +75,7 @@ class CheckpointSpec(_Strict):
     )
 
 
-class MLPConfig(_Strict):
+class MLPConfig(Strict):
     """Hyperparameters of the built-in `mlp` trainer (rows: `features`, `label`)."""
 
     task: Literal["classification", "regression"] = "classification"
@@ -93,7 +88,7 @@ class MLPConfig(_Strict):
             raise ValueError("num_classes is required when task is 'classification'")
 
 
-class GPTConfig(_Strict):
+class GPTConfig(Strict):
     """Hyperparameters of the built-in `gpt` trainer (rows: `tokens`, a fixed-length int sequence)."""
 
     vocab_size: int = Field(ge=2)
@@ -112,11 +107,12 @@ class GPTConfig(_Strict):
 
 
 BUILTIN_CONFIGS: dict[str, type[BaseModel]] = {"mlp": MLPConfig, "gpt": GPTConfig}
+BUILTIN_TRAINERS = tuple(BUILTIN_CONFIGS)
 
 _WORKER_COUNT: TypeAdapter[int] = TypeAdapter(Annotated[int, Field(ge=1, le=MAX_WORKERS)])
 
 
-class ElasticWorkers(_Strict):
+class ElasticWorkers(Strict):
     """`num_workers: {min, max}`: Ray Train's elastic training runs the job on min to max workers.
 
     Admission needs the min gang to fit; Ray Train then grows the group towards max whenever the
@@ -135,7 +131,7 @@ class ElasticWorkers(_Strict):
         return self
 
 
-class JobSpec(_Strict):
+class JobSpec(Strict):
     """A distributed training job, as a user submits it (JSON or YAML)."""
 
     name: str = Field(description="Human name; letters, digits, '.', '_', '-'.")
@@ -224,15 +220,6 @@ class JobSpec(_Strict):
     def is_elastic(self) -> bool:
         return self.min_workers < self.max_workers
 
-    def gang_resources(self, *, num_workers: int | None = None) -> dict[str, float]:
-        """What a worker group of `num_workers` needs at once; by default the smallest, `min_workers`."""
-        count = self.min_workers if num_workers is None else num_workers
-        return {key: amount * count for key, amount in self.resources_per_worker.items()}
-
-    def trainer_config(self) -> BaseModel | None:
-        schema = BUILTIN_CONFIGS.get(self.trainer)
-        return schema.model_validate(self.config) if schema else None
-
 
 def _first_error(err: ValueError) -> str:
     errors = getattr(err, "errors", None)
@@ -249,47 +236,3 @@ def parse_spec_text(text: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError("a job spec must be a mapping of fields")
     return data
-
-
-def load_spec(path: str | Path) -> JobSpec:
-    return JobSpec.model_validate(parse_spec_text(Path(path).read_text()))
-
-
-class LaunchRequest(_Strict):
-    """What the service tells `python -m trainers.launch` (env var APIARY_LAUNCH)."""
-
-    job_id: int
-    attempt: int = Field(ge=1)
-    spec: JobSpec
-    storage_uri: str = Field(description="Root for checkpoints; the run lives at {storage_uri}/{run_name}.")
-    run_name: str
-    report_url: str | None = Field(description="POST target for ReportBatch; None = log only.")
-    data_cpus: float = Field(default=1.0, gt=0, description="CPU budget of the job's Ray Data tasks.")
-    s3_endpoint_url: str | None = None
-
-    def to_env(self) -> str:
-        return self.model_dump_json()
-
-    @classmethod
-    def from_env(cls, value: str) -> LaunchRequest:
-        return cls.model_validate(json.loads(value))
-
-
-class MetricPoint(_Strict):
-    step: int = Field(ge=0)
-    rank: int = Field(ge=0)
-    time: float = Field(description="Unix time in seconds.")
-    values: dict[str, float]
-
-
-class CheckpointReport(_Strict):
-    step: int = Field(ge=0)
-    uri: str
-
-
-class ReportBatch(_Strict):
-    """One post from a trainer rank to the control plane."""
-
-    attempt: int = Field(ge=1)
-    points: list[MetricPoint] = Field(default_factory=list, max_length=10_000)
-    checkpoint: CheckpointReport | None = None

@@ -10,18 +10,35 @@ States (lowercase on the wire):
 Ray job; `running` means Ray reports the driver running. A failed submission
 goes `admitted → failed`; a submission that Ray never received (the
 service died between admitting and submitting) goes `admitted → queued`.
-Later issues add `preempting` (running → preempting → queued) and
-`recovering` (running → recovering → running).
 
 Invariants:
 - Only the service changes state, and only through `repository.transition`,
   which writes the new state and one `job_events` row in the same transaction.
 - Terminal states (succeeded, failed, cancelled) are final.
+
+This module needs nothing beyond the standard library: the ORM (`service.models`) and the SDK
+(`api.client`) both read the states from here.
 """
 
 from __future__ import annotations
 
-from service.models import JobState
+from enum import StrEnum
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
 ALLOWED: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.ADMITTED, JobState.CANCELLED, JobState.FAILED}),

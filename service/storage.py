@@ -33,9 +33,10 @@ from urllib.parse import unquote, urlparse
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from service.errors import DatasetError
+from service.errors import DatasetError, one_line
+from service.spec import DataFormat
 
-SHARD_SUFFIXES = {"parquet": ".parquet", "webdataset": ".tar"}
+SHARD_SUFFIXES = {DataFormat.PARQUET: ".parquet", DataFormat.WEBDATASET: ".tar"}
 MANIFEST_NAME = "_manifest.json"
 MANIFEST_VERSION = 1
 _HASH_CHUNK_BYTES = 8 << 20
@@ -90,7 +91,7 @@ def _s3_filesystem(endpoint_url: str | None) -> pafs.FileSystem:
 
 
 def list_shards(
-    uri: str, *, data_format: str = "parquet", s3_endpoint_url: str | None = None
+    uri: str, *, data_format: DataFormat = DataFormat.PARQUET, s3_endpoint_url: str | None = None
 ) -> tuple[list[str], pafs.FileSystem]:
     """The shard files at `uri` (one file, or a folder searched recursively), sorted by path.
 
@@ -104,7 +105,7 @@ def list_shards(
     try:
         info = filesystem.get_file_info(path)
     except OSError as err:
-        raise DatasetError(f"dataset {uri} cannot be read: {_one_line(err)}") from err
+        raise DatasetError(f"dataset {uri} cannot be read: {one_line(err)}") from err
     if info.type == pafs.FileType.NotFound:
         raise DatasetError(f"dataset {uri} does not exist")
     if info.type == pafs.FileType.File:
@@ -113,8 +114,8 @@ def list_shards(
     if manifest is not None:
         if manifest.format != data_format:
             raise DatasetError(
-                f"dataset {uri}: its {MANIFEST_NAME} says format {manifest.format!r}, "
-                f"the job says {data_format!r}"
+                f"dataset {uri}: its {MANIFEST_NAME} says format '{manifest.format}', "
+                f"the job says '{data_format}'"
             )
         validate_manifest(manifest, uri=uri, s3_endpoint_url=s3_endpoint_url, verify_checksums=False)
         return [f"{path}/{shard.path}" for shard in manifest.shards], filesystem
@@ -132,8 +133,17 @@ def list_shards(
     return files, filesystem
 
 
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
+def is_list_type(data_type: pa.DataType) -> bool:
+    """A list column of any Arrow flavour (list, large list, fixed-size list)."""
+    return bool(
+        pa.types.is_list(data_type)
+        or pa.types.is_large_list(data_type)
+        or pa.types.is_fixed_size_list(data_type)
+    )
+
+
+def is_number_type(data_type: pa.DataType) -> bool:
+    return bool(pa.types.is_integer(data_type) or pa.types.is_floating(data_type))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -153,7 +163,7 @@ class ShardEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class Manifest:
-    format: str
+    format: DataFormat
     num_rows: int
     schema: dict[str, str]
     schema_ipc: str
@@ -169,7 +179,7 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         return cls(
-            format=data["format"],
+            format=DataFormat(data["format"]),
             num_rows=int(data["num_rows"]),
             schema=dict(data["schema"]),
             schema_ipc=data["schema_ipc"],
@@ -197,12 +207,12 @@ def read_manifest(uri: str, *, s3_endpoint_url: str | None = None) -> Manifest |
         with filesystem.open_input_stream(location) as stream:
             raw = stream.read()
     except OSError as err:
-        raise DatasetError(f"dataset {uri}: {MANIFEST_NAME} cannot be read: {_one_line(err)}") from err
+        raise DatasetError(f"dataset {uri}: {MANIFEST_NAME} cannot be read: {one_line(err)}") from err
     try:
         manifest = Manifest.from_dict(json.loads(raw))
     except (ValueError, KeyError, TypeError) as err:
         raise DatasetError(
-            f"dataset {uri}: {MANIFEST_NAME} is not a valid manifest: {_one_line(err)}"
+            f"dataset {uri}: {MANIFEST_NAME} is not a valid manifest: {one_line(err)}"
         ) from err
     if manifest.format_version != MANIFEST_VERSION:
         raise DatasetError(
@@ -249,7 +259,7 @@ def validate_manifest(
     try:
         infos = filesystem.get_file_info(paths)
     except OSError as err:
-        raise DatasetError(f"dataset {uri} cannot be read: {_one_line(err)}") from err
+        raise DatasetError(f"dataset {uri} cannot be read: {one_line(err)}") from err
     for shard, info in zip(manifest.shards, infos, strict=True):
         if info.type != pafs.FileType.File:
             raise DatasetError(f"dataset {uri}: shard {shard.path} is listed in {MANIFEST_NAME} but missing")

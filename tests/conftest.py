@@ -1,4 +1,14 @@
-"""Shared fixtures. Database tests run twice: on SQLite and on PostgreSQL (a fresh database per test).
+"""Shared fixtures. The tests are grouped by what they need:
+
+- `tests/unit`: nothing but this process (and the processes a test spawns itself);
+- `tests/integration`: a real database (SQLite and PostgreSQL) or S3 server, no Ray;
+- `tests/ray`: a real local Ray cluster, trainers run through `trainers.launch.run()`;
+- `tests/e2e`: `apiary serve` as a user runs it, with its own local Ray.
+
+Tests under `tests/ray` and `tests/e2e` carry the `ray` marker (`-m "not ray"` skips them). Helpers
+live in `tests/support`.
+
+Database tests run twice: on SQLite and on PostgreSQL (a fresh database per test).
 
 PostgreSQL: APIARY_TEST_PG_URL (default postgresql+psycopg://postgres@127.0.0.1:5432/postgres) is
 the server used to create and drop test databases. `.ci/run` makes sure it is running.
@@ -13,7 +23,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,10 +33,19 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from api.demo import classification_table, write_shards
 from service.cluster import free_port
-from service.datasets import write_classification_dataset
+from tests.support.telemetry import TelemetryServer
+from tests.support.wait import wait_until
 
 PG_ADMIN_URL = os.environ.get("APIARY_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+TESTS = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if {"ray", "e2e"} & set(item.path.relative_to(TESTS).parts[:1]):
+            item.add_marker(pytest.mark.ray)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -61,9 +79,16 @@ def postgres_url() -> Iterator[str]:
 
 @pytest.fixture
 def classification_dataset(tmp_path: Path) -> str:
-    uri = f"file://{tmp_path / 'dataset'}"
-    write_classification_dataset(uri, num_shards=2, rows_per_shard=64, num_features=8, num_classes=3)
+    uri = (tmp_path / "dataset").as_uri()
+    write_shards(classification_table(num_rows=128, num_features=8, num_classes=3), uri, num_shards=2)
     return uri
+
+
+@pytest.fixture
+def telemetry_server() -> Iterator[TelemetryServer]:
+    server = TelemetryServer()
+    yield server
+    server.close()
 
 
 S3_BUCKETS = ("apiary-datasets", "apiary-checkpoints")
@@ -92,19 +117,17 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
+
+    def answers() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"moto_server exited with {process.returncode}:\n{log.read_text()[-2000:]}")
+        try:
+            return httpx.get(f"{endpoint}/moto-api/", timeout=2).status_code < 500
+        except httpx.HTTPError:
+            return False
+
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                tail = log.read_text()[-2000:]
-                raise RuntimeError(f"moto_server exited with {process.returncode}:\n{tail}")
-            try:
-                httpx.get(f"{endpoint}/moto-api/", timeout=2)
-                break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not answer on {endpoint}") from None
-                time.sleep(0.2)
+        wait_until(answers, timeout_s=60, interval_s=0.2, what=f"moto_server answering on {endpoint}")
         client = boto3.client(
             "s3",
             endpoint_url=endpoint,

@@ -1,9 +1,9 @@
 """Ray Train's torch process-group backend, without importing torch where no tensor lives.
 
 `ray.train.torch.TorchConfig` is what a `TorchTrainer` hands Ray Train: the job's driver builds it
-and the Train controller unpickles it, and both then import torch (about 1 s of CPU each, on the
-path from submission to the first step) only to run `_TorchBackend.on_start` from the controller,
-which calls functions that run on the workers.
+and the Train controller unpickles it, and both then import torch (a costly import, on the path
+from submission to the first step) only to run `_TorchBackend.on_start` from the controller, which
+calls functions that run on the workers.
 
 `ProcessGroupConfig` is the same backend for `DataParallelTrainer`, from a module that imports no
 torch: the controller picks the rendezvous address and tells each worker to set up its process

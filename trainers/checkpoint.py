@@ -3,7 +3,8 @@
 The dict holds everything a resumed run needs and everything a reader needs to rebuild the model
 without the job's database row:
 
-    format_version     int, bumped when the layout changes (2 added `model_format`; 1 still reads)
+    format_version     int, bumped when the layout changes (2 added `model_format`, 3 renamed
+                       `scheduler` to `lr_schedule`; 1 and 2 still read)
     trainer            the spec's trainer name ("mlp", "gpt" or "package.module:function")
     spec               the full JobSpec (`model_dump(mode="json")`)
     row_shape          the data's row shape the model was sized by ({"input_size": n} | {"seq_len": L})
@@ -11,8 +12,8 @@ without the job's database row:
                        "sharded": they are in the `sharded/` folder beside it (FSDP, below)
     model              ("full" only) the model's state_dict, unwrapped from DistributedDataParallel
     optimizer          ("full" only) optimizer.state_dict()
-    scheduler          LR scheduler state_dict()
-    step               optimizer steps completed
+    lr_schedule        the LR schedule's state_dict()
+    step               optimizer steps completed                      (these four are `TrainState`)
     epoch              the epoch the last step's batch came from
     batches_in_epoch   batches each rank had taken from that epoch (the data position)
     samples_consumed   samples all ranks together had trained on
@@ -28,32 +29,77 @@ from rank 0), keyed by parameter name (`{"model": ..., "optimizer": ...}` of
 `torch.distributed.checkpoint.state_dict.get_state_dict`). Ray Train merges the ranks' folders
 into one checkpoint folder. DCP re-shards on load, so a checkpoint written by N ranks resumes on
 any number of ranks, and `build_model_from_checkpoint` reads it in one process.
+
+The live side is `TrainState` (the counters and data position) and `TrainParts` (model, optimizer,
+LR schedule): `save_checkpoint` writes them, `restore_checkpoint` loads them back. `Checkpointer`
+does it inside a Ray Train job: it finds the run's latest checkpoint to resume from, and saves at the
+steps the spec asks for through `ray.train.report`, which persists the folder to the run's storage.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import tempfile
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.fs as pafs
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from service.protocol import LaunchRequest
 from service.spec import JobSpec
-from service.storage import resolve_uri
-from trainers.models import build_model
+from service.storage import checkpoint_uri, resolve_uri
+from trainers.data_order import DataPosition
 from trainers.parallel import is_sharded, unwrap_model
+from trainers.registry import RowShape, builtin_trainer
+from trainers.telemetry import Telemetry
+
+logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
 SHARDED_DIR = "sharded"
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
+# The counters of TrainState, as state.pt stores them.
+_STATE_FIELDS = ("step", "epoch", "batches_in_epoch", "samples_consumed")
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """Where training stands: what a checkpoint restores besides the tensors and the RNG."""
+
+    step: int = 0  # optimizer steps completed
+    epoch: int = 0  # the epoch of the last step's batch
+    batches_in_epoch: int = 0  # batches each rank took from that epoch: the data position
+    samples_consumed: int = 0  # samples all ranks together trained on
+
+    def data_position(self, *, batch_size: int) -> DataPosition:
+        return DataPosition(self.epoch, self.batches_in_epoch * batch_size)
+
+    def advance(self, *, epoch: int, samples: int) -> None:
+        """Count one optimizer step on a batch of `epoch` (`samples` over all ranks)."""
+        if epoch != self.epoch:
+            self.epoch, self.batches_in_epoch = epoch, 0
+        self.step += 1
+        self.batches_in_epoch += 1
+        self.samples_consumed += samples
+
+
+@dataclass(kw_only=True)
+class TrainParts:
+    """The stateful torch objects of one rank: what a checkpoint restores tensors into."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_schedule: torch.optim.lr_scheduler.LRScheduler
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -96,18 +142,31 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's RNG states, in rank order (a collective: all ranks must call it)."""
+    mine = capture_rng_state()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [mine]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def seed_rank(seed: int, *, rank: int, step: int) -> None:
+    """Seed python, numpy and torch from (seed, rank, step), so ranks draw different dropout masks."""
+    mixed = int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
+    random.seed(mixed)
+    np.random.seed(mixed)
+    torch.manual_seed(mixed)
+
+
 def save_checkpoint(
     directory: str | Path,
+    parts: TrainParts,
+    state: TrainState,
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
     spec: JobSpec,
-    row_shape: dict[str, int],
-    step: int,
-    epoch: int,
-    batches_in_epoch: int,
-    samples_consumed: int,
+    row_shape: RowShape,
     rng: list[dict[str, Any]],
     rank: int = 0,
 ) -> bool:
@@ -117,33 +176,30 @@ def save_checkpoint(
     (DCP's save is a collective) and every rank's folder belongs to the checkpoint; with DDP only
     rank 0 writes. `rng` is every rank's `capture_rng_state()`, in rank order.
     """
-    sharded = is_sharded(model)
+    sharded = is_sharded(parts.model)
     if sharded:
         dcp, get_state_dict, _ = _dcp()
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(parts.model, parts.optimizer)
         dcp.save(
             {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=Path(directory, SHARDED_DIR)
         )
     if rank != 0:
         return sharded
-    state: dict[str, Any] = {
+    contents: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "trainer": spec.trainer,
         "spec": spec.model_dump(mode="json"),
         "row_shape": dict(row_shape),
         "model_format": "sharded" if sharded else "full",
-        "scheduler": scheduler.state_dict(),
-        "step": step,
-        "epoch": epoch,
-        "batches_in_epoch": batches_in_epoch,
-        "samples_consumed": samples_consumed,
+        "lr_schedule": parts.lr_schedule.state_dict(),
+        **{name: getattr(state, name) for name in _STATE_FIELDS},
         "world_size": len(rng),
         "rng": rng,
     }
     if not sharded:
-        state["model"] = unwrap_model(model).state_dict()
-        state["optimizer"] = optimizer.state_dict()
-    torch.save(state, Path(directory) / STATE_FILE)
+        contents["model"] = unwrap_model(parts.model).state_dict()
+        contents["optimizer"] = parts.optimizer.state_dict()
+    torch.save(contents, Path(directory) / STATE_FILE)
     return True
 
 
@@ -155,34 +211,37 @@ def load_checkpoint(directory: str | Path, *, s3_endpoint_url: str | None = None
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not an Apiary checkpoint: it has no {STATE_FILE}")
-    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
-    version = state.get("format_version")
+    contents: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    version = contents.get("format_version")
     if version not in READABLE_FORMATS:
         raise ValueError(
             f"{path} has checkpoint format {version}; this code reads formats {READABLE_FORMATS}"
         )
-    state.setdefault("model_format", "full")
-    return state
+    contents.setdefault("model_format", "full")  # format 1
+    if "scheduler" in contents:  # formats 1 and 2
+        contents["lr_schedule"] = contents.pop("scheduler")
+    return contents
+
+
+def train_state_of(contents: dict[str, Any]) -> TrainState:
+    """The `TrainState` a checkpoint's `state.pt` dict holds."""
+    return TrainState(**{name: int(contents[name]) for name in _STATE_FIELDS})
 
 
 def restore_checkpoint(
-    directory: str | Path,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    state: dict[str, Any] | None = None,
+    directory: str | Path, parts: TrainParts, *, contents: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Load model, optimizer and LR schedule from a checkpoint folder; return its `state.pt` dict.
 
-    `state` is that dict when the caller already loaded it (`load_checkpoint`), to not read it twice.
-    Call on every rank after `trainers.parallel.parallelize` and `build_optimizer`. A sharded
-    checkpoint loads into any number of ranks (DCP re-shards it) and into a DDP model too; a full one
-    loads into a DDP or single-process model only.
+    `contents` is that dict when the caller already loaded it (`load_checkpoint`), to not read it
+    twice. Call on every rank after `trainers.parallel.parallelize` and building the optimizer. A
+    sharded checkpoint loads into any number of ranks (DCP re-shards it) and into a DDP model too; a
+    full one loads into a DDP or single-process model only.
     """
-    if state is None:
-        state = load_checkpoint(directory)
-    if state["model_format"] == "sharded":
+    if contents is None:
+        contents = load_checkpoint(directory)
+    model, optimizer = parts.model, parts.optimizer
+    if contents["model_format"] == "sharded":
         dcp, get_state_dict, set_state_dict = _dcp()
         model_state, optimizer_state = get_state_dict(model, optimizer)
         # dcp.load fills these dicts in place, each rank reading the slices of its own shards.
@@ -192,14 +251,14 @@ def restore_checkpoint(
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     elif is_sharded(model):
         raise ValueError(
-            f"checkpoint {directory} was written with strategy {state['spec']['strategy']!r} (full state); "
-            "resume it with that strategy"
+            f"checkpoint {directory} was written with strategy {contents['spec']['strategy']!r} "
+            "(full state); resume it with that strategy"
         )
     else:
-        unwrap_model(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    return state
+        unwrap_model(model).load_state_dict(contents["model"])
+        optimizer.load_state_dict(contents["optimizer"])
+    parts.lr_schedule.load_state_dict(contents["lr_schedule"])
+    return contents
 
 
 def build_model_from_checkpoint(directory: str | Path, *, s3_endpoint_url: str | None = None) -> nn.Module:
@@ -210,10 +269,9 @@ def build_model_from_checkpoint(directory: str | Path, *, s3_endpoint_url: str |
     if _is_uri(directory):
         with local_checkpoint(directory, s3_endpoint_url=s3_endpoint_url) as local:
             return build_model_from_checkpoint(local)
-    state = load_checkpoint(directory)
-    spec = JobSpec.model_validate(state["spec"])
-    model = build_model(spec, row_shape=state["row_shape"])
-    if state["model_format"] == "sharded":
+    contents = load_checkpoint(directory)
+    model = builtin_trainer(JobSpec.model_validate(contents["spec"])).build_model(contents["row_shape"])
+    if contents["model_format"] == "sharded":
         dcp, _, _ = _dcp()
         model_state = model.state_dict()
         # no_dist: this process reads every shard itself, whatever process group may be running; torch
@@ -223,8 +281,131 @@ def build_model_from_checkpoint(directory: str | Path, *, s3_endpoint_url: str |
             dcp.load({"model": model_state}, checkpoint_id=Path(directory, SHARDED_DIR), no_dist=True)
         model.load_state_dict(model_state)
     else:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(contents["model"])
     return model.eval()
+
+
+def resume_position(
+    *, epoch: int, batches_in_epoch: int, saved_world_size: int, world_size: int
+) -> tuple[int, int]:
+    """The (epoch, batches_in_epoch) to resume from, given a checkpoint's data position.
+
+    The same world size continues at the exact next batch. A different one changes every rank's
+    range (the order is a function of the world size), so no position in the old order maps onto
+    the new one: training continues with the next epoch, and the rest of this one is skipped.
+    """
+    if saved_world_size == world_size:
+        return epoch, batches_in_epoch
+    logger.warning(
+        "checkpoint written by %d ranks, this run has %d: data continues at the start of epoch %d",
+        saved_world_size,
+        world_size,
+        epoch + 1,
+    )
+    return epoch + 1, 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inside a Ray Train job. Ray Train is imported where it is used: reading or writing a checkpoint
+# folder needs only torch.
+# ---------------------------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """One rank's checkpoints of one run: where to resume from, and saving at the steps the spec asks.
+
+    Ray Train keeps a run's checkpoints under `{storage_uri}/{run_name}`, and its latest one is where
+    a restarted worker group or a resubmitted job resumes. Saving is collective: every rank calls
+    `save` at the same steps (`due`). With DDP rank 0 writes the checkpoint; with FSDP every rank
+    also writes its shards, and Ray Train merges the ranks' folders into one checkpoint folder.
+    """
+
+    def __init__(
+        self, request: LaunchRequest, *, row_shape: RowShape, rank: int, telemetry: Telemetry
+    ) -> None:
+        self.request = request
+        self.spec = request.spec
+        self.row_shape = row_shape
+        self.rank = rank
+        self.telemetry = telemetry
+
+    def due(self, step: int) -> bool:
+        every = self.spec.checkpoint.every_steps
+        return step == self.spec.max_steps or (every is not None and step % every == 0)
+
+    @contextlib.contextmanager
+    def latest(self) -> Iterator[Resume | None]:
+        """The run's latest checkpoint, opened to resume from (None on a fresh run).
+
+        Its folder (downloaded first, from S3) lives until the block ends: restore inside it.
+        """
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            yield None
+            return
+        with checkpoint.as_directory() as directory:
+            yield Resume(directory=Path(directory), contents=load_checkpoint(directory), seed=self.spec.seed)
+
+    def save(self, parts: TrainParts, state: TrainState, *, metrics: dict[str, float]) -> None:
+        """Write the checkpoint of `state` and persist it to the run's storage; rank 0 announces it."""
+        import ray.train
+
+        name = checkpoint_dir_name(state.step)
+        rng = gather_rng_states()
+        metrics = {"step": state.step, "samples_consumed": state.samples_consumed, **metrics}
+        if self.rank != 0 and not is_sharded(parts.model):
+            ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
+            return
+        with tempfile.TemporaryDirectory(prefix="apiary-checkpoint-") as directory:
+            save_checkpoint(
+                directory, parts, state, spec=self.spec, row_shape=self.row_shape, rng=rng, rank=self.rank
+            )
+            # Synchronous upload: when report() returns, the folder is in storage under `name`.
+            ray.train.report(
+                metrics, checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name
+            )
+        if self.rank == 0:
+            uri = checkpoint_uri(
+                storage_uri=self.request.storage_uri, run_name=self.request.run_name, name=name
+            )
+            self.telemetry.checkpoint_saved(state.step, uri)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resume:
+    """A checkpoint opened to resume from: its folder and its `state.pt` dict."""
+
+    directory: Path
+    contents: dict[str, Any]
+    seed: int
+
+    def train_state(self, *, world_size: int) -> TrainState:
+        """Where to go on from: the checkpoint's data position (a new epoch on another world size)."""
+        state = train_state_of(self.contents)
+        state.epoch, state.batches_in_epoch = resume_position(
+            epoch=state.epoch,
+            batches_in_epoch=state.batches_in_epoch,
+            saved_world_size=self.contents["world_size"],
+            world_size=world_size,
+        )
+        return state
+
+    def restore(self, parts: TrainParts, *, rank: int, world_size: int) -> None:
+        """Load the tensors into `parts` (every rank) and this rank's RNG states."""
+        restore_checkpoint(self.directory, parts, contents=self.contents)
+        saved_world_size = self.contents["world_size"]
+        if saved_world_size == world_size:
+            restore_rng_state(self.contents["rng"][rank])
+            return
+        if rank == 0:
+            logger.warning(
+                "checkpoint written by %d ranks, this run has %d: RNG reseeded from (seed, rank, step)",
+                saved_world_size,
+                world_size,
+            )
+        seed_rank(self.seed, rank=rank, step=self.contents["step"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -273,8 +454,8 @@ def download_checkpoint(uri: str, destination: Path, *, s3_endpoint_url: str | N
 def _dcp() -> tuple[Any, Any, Any]:
     """`torch.distributed.checkpoint` with `get_state_dict` and `set_state_dict`, imported on first use.
 
-    Only sharded (FSDP) checkpoints need it, and importing it costs every process about a second at
-    start (it pulls in DTensor): the job driver and DDP workers never pay for it.
+    Only sharded (FSDP) checkpoints need it, and importing it slows every process's start (it pulls
+    in DTensor): the job driver and DDP workers never pay for it.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -1,59 +1,49 @@
-"""Datasets: where the shards are, what their rows look like, and how a worker turns them into batches.
+"""Datasets: where the shards are, what their rows look like, and each worker's stream of batches.
 
 The driver (`trainers.launch`) calls `inspect_dataset` before any worker starts. With a manifest
 (`_manifest.json`, written by `apiary data shard`) it checks every shard's presence, size and sha256
-first, so a missing or corrupt shard fails the job in seconds with `apiary-error: ...`, not as a hang
+first, so a missing or corrupt shard fails the job in seconds with a one-line reason, not as a hang
 or a traceback inside a worker. Without one it lists the files and reads only parquet footers (or
 tar member names) and one row. Either way it learns the read units (parquet row groups, or whole tar
-shards) with their row counts: the input of the deterministic order (`trainers.data_order`).
+shards) with their row counts: the input of the deterministic order (`trainers.data_order`). A
+built-in trainer checks its columns on that one row (`trainers.registry`).
 
 The worker side is `iter_batches_for_rank`: (epoch, batch) forever from a data position, read
 through Ray Data in an order that is a function of (seed, epoch, world size) only
 (`trainers.data_stream`); the train loop, not the data, owns the step count.
 
-Formats: `parquet` shards, and `webdataset` `.tar` shards in the layout of `service.sharding`.
+Formats: `parquet` shards, and `webdataset` `.tar` shards in the layout of `service.webdataset`.
 
-Row formats of the built-in trainers:
-- `mlp`: `features` (a list of numbers, the same length in every row) and `label` (an integer class
-  for classification, a number for regression).
-- `gpt`: `tokens` (a list of integer token ids, the same length L >= 2 in every row).
-
-An `id` column, when present, is the sample id that `APIARY_DATA_TRACE_DIR` records (see
-`maybe_trace_ids`).
+An `id` column, when present, is the sample id that `LaunchRequest.data_trace_dir` records (see
+`RankBatches`).
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-from ray.data.collate_fn import ArrowBatchCollateFn
 
-from service.errors import DatasetError
-from service.sharding import count_webdataset_samples, iter_webdataset_samples
-from service.spec import GPTConfig, JobSpec, MLPConfig
+from service.errors import DatasetError, one_line
+from service.protocol import LaunchRequest
+from service.spec import BUILTIN_TRAINERS, DataFormat, JobSpec
 from service.storage import Manifest, list_shards, read_manifest, validate_manifest
-from trainers.data_order import Unit
-from trainers.data_stream import BatchStream, ShardSource, iter_rank_batches
+from service.webdataset import count_webdataset_samples, iter_webdataset_samples
+from trainers.data_order import DataOrder, DataPosition, Unit
+from trainers.data_stream import Batch, BatchStream, ShardSource, iter_rank_batches
+from trainers.registry import builtin_trainer
 
 if TYPE_CHECKING:
     import torch
 
-# Where every rank appends the sample ids of its batches (one JSON line per step), when set.
-TRACE_ENV_VAR = "APIARY_DATA_TRACE_DIR"
 ID_COLUMN = "id"
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +58,7 @@ class DatasetInfo:
     row_shape: dict[str, int] = field(default_factory=dict)
     # The columns the trainer reads (a built-in's); None reads them all (a custom trainer's).
     read_columns: list[str] | None = None
-    format: str = "parquet"
+    format: DataFormat = DataFormat.PARQUET
     # Read units in canonical order, as [file index, part (row group; -1 = whole tar), rows].
     units: list[list[int]] = field(default_factory=list)
 
@@ -95,7 +85,7 @@ class DatasetInfo:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DatasetInfo:
-        return cls(**data)
+        return cls(**{**data, "format": DataFormat(data["format"])})
 
 
 def inspect_dataset(
@@ -115,7 +105,7 @@ def inspect_dataset(
         validate_manifest(
             manifest, uri=uri, s3_endpoint_url=s3_endpoint_url, verify_checksums=verify_checksums
         )
-    if data_format == "parquet":
+    if data_format == DataFormat.PARQUET:
         schema, units, first_row = _parquet_layout(files, filesystem=filesystem, uri=uri, manifest=manifest)
     else:
         schema, units, first_row = _webdataset_layout(
@@ -131,20 +121,10 @@ def inspect_dataset(
         )
     row_shape: dict[str, int] = {}
     read_columns: list[str] | None = None
-    config = spec.trainer_config()
-    if isinstance(config, MLPConfig):
-        read_columns = ["features", "label"]
-        _require_list_column(schema, uri=uri, name="features", numeric=True)
-        label_ok = pa.types.is_integer if config.task == "classification" else _is_number
-        _require_column(schema, uri=uri, name="label", ok=label_ok, want=_label_type(config))
-        row_shape["input_size"] = _first_row_length(first_row, uri=uri, name="features")
-    elif isinstance(config, GPTConfig):
-        read_columns = ["tokens"]
-        _require_list_column(schema, uri=uri, name="tokens", numeric=False)
-        seq_len = _first_row_length(first_row, uri=uri, name="tokens")
-        if seq_len < 2:
-            raise DatasetError(f"dataset {uri}: rows of 'tokens' need at least 2 ids, got {seq_len}")
-        row_shape["seq_len"] = seq_len
+    if spec.trainer in BUILTIN_TRAINERS:
+        trainer = builtin_trainer(spec)
+        row_shape = trainer.check_columns(schema, first_row, uri=uri)
+        read_columns = list(trainer.read_columns)
     return DatasetInfo(
         uri=uri,
         files=files,
@@ -183,7 +163,7 @@ def _parquet_layout(
         first_file = pq.ParquetFile(filesystem.open_input_file(files[first_unit[0]]))
         first_row = first_file.read_row_group(first_unit[1]).slice(0, 1)
     except (OSError, pa.ArrowInvalid) as err:
-        raise DatasetError(f"dataset {uri} is not readable parquet: {_one_line(err)}") from err
+        raise DatasetError(f"dataset {uri} is not readable parquet: {one_line(err)}") from err
     return schema, units, first_row
 
 
@@ -207,7 +187,7 @@ def _webdataset_layout(
     except (OSError, ValueError) as err:
         if isinstance(err, DatasetError):
             raise
-        raise DatasetError(f"dataset {uri} is not a readable webdataset: {_one_line(err)}") from err
+        raise DatasetError(f"dataset {uri} is not a readable webdataset: {one_line(err)}") from err
     first_row = pa.table(
         {
             name: pa.array([value.tolist() if isinstance(value, np.ndarray) else value])
@@ -220,176 +200,48 @@ def _webdataset_layout(
     return first_row.schema, units, first_row
 
 
-def _is_number(data_type: pa.DataType) -> bool:
-    return bool(pa.types.is_integer(data_type) or pa.types.is_floating(data_type))
-
-
-def _is_list(data_type: pa.DataType) -> bool:
-    return bool(
-        pa.types.is_list(data_type)
-        or pa.types.is_large_list(data_type)
-        or pa.types.is_fixed_size_list(data_type)
-    )
-
-
-def _label_type(config: MLPConfig) -> str:
-    return "an integer class id" if config.task == "classification" else "a number"
-
-
-def _require_column(schema: pa.Schema, *, uri: str, name: str, ok: Any, want: str) -> None:
-    if name not in schema.names:
-        raise DatasetError(f"dataset {uri} has no column {name!r} (columns: {', '.join(schema.names)})")
-    data_type = schema.field(name).type
-    if not ok(data_type):
-        raise DatasetError(f"dataset {uri}: column {name!r} must be {want}, got {data_type}")
-
-
-def _require_list_column(schema: pa.Schema, *, uri: str, name: str, numeric: bool) -> None:
-    item = "numbers" if numeric else "integer ids"
-
-    def ok(data_type: pa.DataType) -> bool:
-        if not _is_list(data_type):
-            return False
-        value_type = data_type.value_type
-        return _is_number(value_type) if numeric else bool(pa.types.is_integer(value_type))
-
-    _require_column(schema, uri=uri, name=name, ok=ok, want=f"a list of {item}")
-
-
-def _first_row_length(first_row: pa.Table, *, uri: str, name: str) -> int:
-    first = first_row.column(name)[0]
-    if not first.is_valid:
-        raise DatasetError(f"dataset {uri}: the first row of {name!r} is null")
-    return len(first)
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
-
-
-# ---------------------------------------------------------------------------------------------------
-# Worker side: Arrow batches -> tensors, and an endless stream of (epoch, batch). torch is imported
-# where a tensor is made: the driver imports this module for `inspect_dataset` and needs no torch.
-# ---------------------------------------------------------------------------------------------------
-
-Batch = dict[str, "torch.Tensor"]
-
-
-def _fixed_width(column: pa.ChunkedArray, *, width: int, name: str, uri: str) -> np.ndarray:
-    array = column.combine_chunks()
-    if array.null_count:
-        raise DatasetError(f"dataset {uri}: column {name!r} has null rows")
-    lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
-    if len(lengths) and (lengths.min() != width or lengths.max() != width):
-        bad = int(lengths[lengths != width][0])
-        raise DatasetError(
-            f"dataset {uri}: every row of {name!r} must have {width} values (as the first row), found {bad}"
-        )
-    # flatten() honours slicing offsets, unlike .values, so this is the batch's own data.
-    return array.flatten().to_numpy(zero_copy_only=False).reshape(len(array), width)
-
-
-class MLPCollate(ArrowBatchCollateFn):
-    """`features` -> float32 [B, input_size]; `label` -> int64 [B] (classification) or float32 [B]."""
-
-    def __init__(self, *, input_size: int, config: MLPConfig, uri: str) -> None:
-        super().__init__()
-        self.input_size = input_size
-        self.config = config
-        self.uri = uri
-
-    # Ray annotates the return with an unbound TypeVar, which no concrete type satisfies for mypy.
-    def __call__(self, batch: pa.Table) -> Batch:  # type: ignore[override]
-        import torch
-
-        features = _fixed_width(
-            batch.column("features"), width=self.input_size, name="features", uri=self.uri
-        )
-        labels = batch.column("label").to_numpy()
-        if self.config.task == "classification":
-            num_classes = self.config.num_classes
-            assert num_classes is not None  # MLPConfig enforces it for classification
-            if labels.min() < 0 or labels.max() >= num_classes:
-                bad = labels[(labels < 0) | (labels >= num_classes)][0]
-                raise DatasetError(
-                    f"dataset {self.uri}: label {bad} is outside [0, num_classes={num_classes})"
-                )
-            label_tensor = torch.tensor(labels, dtype=torch.int64)
-        else:
-            label_tensor = torch.tensor(labels, dtype=torch.float32)
-        return {"features": torch.tensor(features, dtype=torch.float32), "label": label_tensor}
-
-
-class GPTCollate(ArrowBatchCollateFn):
-    """`tokens` -> int64 [B, seq_len], checked against the vocabulary."""
-
-    def __init__(self, *, seq_len: int, vocab_size: int, uri: str) -> None:
-        super().__init__()
-        self.seq_len = seq_len
-        self.vocab_size = vocab_size
-        self.uri = uri
-
-    # Ray annotates the return with an unbound TypeVar, which no concrete type satisfies for mypy.
-    def __call__(self, batch: pa.Table) -> Batch:  # type: ignore[override]
-        import torch
-
-        tokens = _fixed_width(batch.column("tokens"), width=self.seq_len, name="tokens", uri=self.uri)
-        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
-            raise DatasetError(
-                f"dataset {self.uri}: token ids must be in [0, vocab_size={self.vocab_size}), "
-                f"found {tokens.min()}..{tokens.max()}"
-            )
-        return {"tokens": torch.tensor(tokens, dtype=torch.int64)}
-
-
-def build_collate(spec: JobSpec, info: DatasetInfo) -> ArrowBatchCollateFn:
-    config = spec.trainer_config()
-    if isinstance(config, MLPConfig):
-        return MLPCollate(input_size=info.row_shape["input_size"], config=config, uri=info.uri)
-    if isinstance(config, GPTConfig):
-        return GPTCollate(seq_len=info.row_shape["seq_len"], vocab_size=config.vocab_size, uri=info.uri)
-    raise ValueError(f"trainer {spec.trainer!r} has no built-in collate function")
-
-
 def iter_batches_for_rank(
-    spec: JobSpec,
+    request: LaunchRequest,
     info: DatasetInfo,
     *,
     rank: int,
     world_size: int,
-    collate_fn: ArrowBatchCollateFn,
-    start_epoch: int = 0,
-    start_sample: int = 0,
+    collate_fn: Callable[[pa.Table], Batch],
+    start: DataPosition = DataPosition(),
     device: torch.device | str = "cpu",
-    s3_endpoint_url: str | None = None,
-    data_cpus: float | None = None,
-    trace_name: str | None = None,
 ) -> RankBatches:
-    """(epoch, full batch) for this rank forever, starting at data position (start_epoch, start_sample).
+    """(epoch, full batch) for this rank forever, starting at data position `start`.
 
     The order is a function of (spec.seed, epoch, world_size) only (`trainers.data_order`); every
     rank gets the same number of batches per epoch, so all ranks roll over at the same step.
-    `start_sample` is the samples this rank already consumed in `start_epoch`. Reading starts now,
-    in the background (`trainers.data_stream.BatchStream`); close the result when done.
+    Reading starts now, in the background (`trainers.data_stream.BatchStream`), with this rank's
+    share of the job's `data_cpus`; close the result when done.
     """
-    trace = _open_trace(trace_name, rank=rank) if ID_COLUMN in info.columns else None
+    spec = request.spec
+    trace = (
+        _open_trace(request.data_trace_dir, request.run_name, rank=rank)
+        if request.data_trace_dir and ID_COLUMN in info.columns
+        else None
+    )
     source = info.shard_source(
-        s3_endpoint_url=s3_endpoint_url, extra_columns=(ID_COLUMN,) if trace is not None else ()
+        s3_endpoint_url=request.s3_endpoint_url, extra_columns=(ID_COLUMN,) if trace is not None else ()
+    )
+    order = DataOrder(
+        units=tuple(info.read_units()),
+        seed=spec.seed,
+        world_size=world_size,
+        batch_size=spec.batch_size,
+        shuffle=spec.dataset.shuffle,
+        buffer_rows=spec.dataset.shuffle_buffer_rows,
     )
     try:
         stream = iter_rank_batches(
             source,
-            units=info.read_units(),
-            seed=spec.seed,
-            shuffle=spec.dataset.shuffle,
-            buffer_rows=spec.dataset.shuffle_buffer_rows,
-            world_size=world_size,
+            order,
             rank=rank,
-            batch_size=spec.batch_size,
             collate_fn=collate_fn,
-            start_epoch=start_epoch,
-            start_sample=start_sample,
-            data_cpus=None if data_cpus is None else data_cpus / world_size,
+            start=start,
+            data_cpus=request.data_cpus / world_size,
             id_column=ID_COLUMN if trace is not None else None,
         )
     except BaseException:
@@ -402,7 +254,7 @@ def iter_batches_for_rank(
 class RankBatches(Iterator[tuple[int, Batch]]):
     """One rank's (epoch, batch) stream, on `device`; each batch taken is written to the trace, if any."""
 
-    def __init__(self, stream: BatchStream, *, trace: Any, device: torch.device | str) -> None:
+    def __init__(self, stream: BatchStream, *, trace: IO[str] | None, device: torch.device | str) -> None:
         self._stream = stream
         self._trace = trace
         self._device = device
@@ -429,35 +281,12 @@ class RankBatches(Iterator[tuple[int, Batch]]):
         self.close()
 
 
-def _open_trace(trace_name: str | None, *, rank: int) -> Any:
-    """`{APIARY_DATA_TRACE_DIR}/{trace_name}/rank-{rank}.jsonl`, opened for append; None when not tracing.
+def _open_trace(trace_dir: str, run_name: str, *, rank: int) -> IO[str]:
+    """`{trace_dir}/{run_name}/rank-{rank}.jsonl`, opened for append.
 
     A debugging and test aid: each line is one step's {"epoch", "ids"} on this rank, so two runs (or a
     run and its resumption, which appends) can be compared sample by sample.
     """
-    root = os.environ.get(TRACE_ENV_VAR)
-    if not root or not trace_name:
-        return None
-    folder = Path(root) / trace_name
+    folder = Path(trace_dir) / run_name
     folder.mkdir(parents=True, exist_ok=True)
     return (folder / f"rank-{rank}.jsonl").open("a")
-
-
-def resume_position(
-    *, epoch: int, batches_in_epoch: int, saved_world_size: int, world_size: int
-) -> tuple[int, int]:
-    """The (epoch, batches_in_epoch) to resume from, given a checkpoint's data position.
-
-    The same world size continues at the exact next batch. A different one changes every rank's
-    range (the order is a function of the world size), so no position in the old order maps onto
-    the new one: training continues with the next epoch, and the rest of this one is skipped.
-    """
-    if saved_world_size == world_size:
-        return epoch, batches_in_epoch
-    logger.warning(
-        "checkpoint written by %d ranks, this run has %d: data continues at the start of epoch %d",
-        saved_world_size,
-        world_size,
-        epoch + 1,
-    )
-    return epoch + 1, 0

@@ -27,8 +27,8 @@ ranks consume at the same pace, so the checkpoint's (epoch, batches_in_epoch) gi
 at most one window's rows are read and dropped), never the epoch up to that point. Without shuffle
 the window is a single row, so nothing is read twice beyond the first parquet row group.
 
-`trainers.data_stream` reads these slices through Ray Data in this order; `rank_row_order` is the
-same order on global row numbers, computed without reading, for tests and for debugging.
+`DataOrder` holds what an epoch's order is a function of, besides the epoch; `DataPosition` is a
+rank's place in it. `trainers.data_stream` reads the slices through Ray Data in this order.
 """
 
 from __future__ import annotations
@@ -62,6 +62,52 @@ class Slice:
     @property
     def num_rows(self) -> int:
         return self.stop - self.start
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataOrder:
+    """What the order of every epoch is a function of, besides the epoch itself."""
+
+    units: tuple[Unit, ...]  # in canonical order
+    seed: int
+    world_size: int
+    batch_size: int
+    shuffle: bool
+    buffer_rows: int  # the shuffle window (dataset.shuffle_buffer_rows)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(unit.num_rows for unit in self.units)
+
+    @property
+    def rows_per_rank(self) -> int:
+        return rows_per_rank(self.total_rows, world_size=self.world_size, batch_size=self.batch_size)
+
+    @property
+    def window(self) -> int:
+        return window_rows(shuffle=self.shuffle, buffer_rows=self.buffer_rows, per_rank=self.rows_per_rank)
+
+    def rank_slices(self, *, epoch: int, rank: int) -> list[Slice]:
+        return rank_slices(
+            list(self.units),
+            seed=self.seed,
+            epoch=epoch,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            rank=rank,
+            shuffle=self.shuffle,
+        )
+
+    def window_permutation(self, *, epoch: int, rank: int, window: int, size: int) -> np.ndarray:
+        return window_permutation(seed=self.seed, epoch=epoch, rank=rank, window=window, size=size)
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """A rank's place in the data: `sample` is how many samples it consumed of `epoch`."""
+
+    epoch: int = 0
+    sample: int = 0
 
 
 def rows_per_rank(total_rows: int, *, world_size: int, batch_size: int) -> int:
@@ -108,42 +154,6 @@ def window_permutation(*, seed: int, epoch: int, rank: int, window: int, size: i
     """The order of the `size` rows of window `window` of a rank's range."""
     rng = np.random.default_rng(np.random.SeedSequence([seed, epoch, _WINDOW_SHUFFLE, rank, window]))
     return rng.permutation(size)
-
-
-def rank_row_order(
-    units: list[Unit],
-    *,
-    seed: int,
-    epoch: int,
-    world_size: int,
-    batch_size: int,
-    rank: int,
-    shuffle: bool,
-    buffer_rows: int,
-) -> np.ndarray:
-    """The global row numbers (canonical order) that rank `rank` trains on in `epoch`, in order."""
-    starts = np.cumsum([0] + [unit.num_rows for unit in units])
-    offset = {unit: int(start) for unit, start in zip(units, starts[:-1], strict=True)}
-    slices = rank_slices(
-        units,
-        seed=seed,
-        epoch=epoch,
-        world_size=world_size,
-        batch_size=batch_size,
-        rank=rank,
-        shuffle=shuffle,
-    )
-    rows = np.concatenate(
-        [np.arange(offset[s.unit] + s.start, offset[s.unit] + s.stop) for s in slices] or [np.zeros(0, int)]
-    )
-    size = window_rows(shuffle=shuffle, buffer_rows=buffer_rows, per_rank=len(rows))
-    if size == 1:
-        return rows
-    windows = [
-        window[window_permutation(seed=seed, epoch=epoch, rank=rank, window=index, size=len(window))]
-        for index, window in enumerate(np.split(rows, range(size, len(rows), size)))
-    ]
-    return np.concatenate(windows)
 
 
 def _cut(units: list[Unit], begin: int, length: int) -> list[Slice]:

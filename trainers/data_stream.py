@@ -35,21 +35,15 @@ from ray.data import ExecutionResources
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from service.errors import DatasetError
-from service.sharding import decode_webdataset
+from service.errors import DatasetError, one_line
+from service.spec import DataFormat
 from service.storage import resolve_uri
-from trainers.data_order import (
-    Slice,
-    Unit,
-    rank_slices,
-    rows_per_rank,
-    seek,
-    window_permutation,
-    window_rows,
-)
+from service.webdataset import decode_webdataset
+from trainers.data_order import DataOrder, DataPosition, Slice, seek
 
 logger = logging.getLogger(__name__)
 
+# A collated batch: column name -> tensor (and "__ids__", the sample ids, while tracing).
 Batch = dict[str, Any]
 # Rows a read task reads at least (several small slices share one task: a task costs ~ms to start).
 _MIN_ROWS_PER_TASK = 16384
@@ -69,7 +63,7 @@ class ShardSource:
 
     uri: str
     files: list[str]
-    data_format: str
+    data_format: DataFormat
     columns: list[str] | None
     s3_endpoint_url: str | None = None
 
@@ -125,7 +119,7 @@ def read_slices(source: ShardSource, slices: list[Slice]) -> Iterable[pa.Table]:
         unit = piece.unit
         path = files[unit.file]
         try:
-            if source.data_format == "parquet":
+            if source.data_format == DataFormat.PARQUET:
                 if unit.file not in parquet_files:
                     parquet_files[unit.file] = pq.ParquetFile(filesystem.open_input_file(path))
                 table = parquet_files[unit.file].read_row_group(unit.part, columns=columns)
@@ -139,7 +133,7 @@ def read_slices(source: ShardSource, slices: list[Slice]) -> Iterable[pa.Table]:
                 if columns is not None:
                     table = table.select(columns)
         except (OSError, pa.ArrowInvalid) as err:
-            raise DatasetError(f"dataset {uri}: cannot read {path}: {' '.join(str(err).split())}") from err
+            raise DatasetError(f"dataset {uri}: cannot read {path}: {one_line(err)}") from err
         if table.num_rows != unit.num_rows:
             raise DatasetError(
                 f"dataset {uri}: {path} unit {unit.part} has {table.num_rows} rows, expected {unit.num_rows} "
@@ -182,52 +176,37 @@ def build_epoch_dataset(
 
 def iter_rank_batches(
     source: ShardSource,
+    order: DataOrder,
     *,
-    units: list[Unit],
-    seed: int,
-    shuffle: bool,
-    buffer_rows: int,
-    world_size: int,
     rank: int,
-    batch_size: int,
     collate_fn: Callable[[pa.Table], Batch],
-    start_epoch: int = 0,
-    start_sample: int = 0,
+    start: DataPosition = DataPosition(),
     data_cpus: float | None = None,
     prefetch_batches: int = 8,
     id_column: str | None = None,
 ) -> BatchStream:
-    """(epoch, collated batch) for this rank forever, from data position (start_epoch, start_sample).
+    """(epoch, collated batch) for rank `rank` of `order` forever, from data position `start`.
 
     Reading starts at once, in the background: open the stream before building the model and the
     first batch is read while the model is built. With `id_column`, each batch also carries
     `batch["__ids__"]`, that column's values (for tracing). Close the stream when done.
     """
-    total = sum(unit.num_rows for unit in units)
-    per_rank = rows_per_rank(total, world_size=world_size, batch_size=batch_size)
+    per_rank, batch_size = order.rows_per_rank, order.batch_size
     if per_rank == 0:
         raise DatasetError(
-            f"dataset {source.uri} has {total} rows, "
-            f"fewer than one batch per rank ({world_size} x {batch_size})"
+            f"dataset {source.uri} has {order.total_rows} rows, "
+            f"fewer than one batch per rank ({order.world_size} x {batch_size})"
         )
-    if start_sample % batch_size:
-        raise ValueError(f"start_sample {start_sample} is not a whole number of batches of {batch_size}")
+    if start.sample % batch_size:
+        raise ValueError(f"start sample {start.sample} is not a whole number of batches of {batch_size}")
 
     def epoch_tables(epoch: int, position: int) -> Iterator[pa.Table]:
         """This rank's rows of `epoch` from `position` on, in final order, as Arrow tables."""
-        slices = rank_slices(
-            units,
-            seed=seed,
-            epoch=epoch,
-            world_size=world_size,
-            batch_size=batch_size,
-            rank=rank,
-            shuffle=shuffle,
-        )
-        window = window_rows(shuffle=shuffle, buffer_rows=buffer_rows, per_rank=per_rank)
+        window = order.window
         first_window = position // window
         begin = first_window * window
-        dataset = build_epoch_dataset(source, seek(slices, begin), data_cpus=data_cpus, split_blocks=False)
+        slices = seek(order.rank_slices(epoch=epoch, rank=rank), begin)
+        dataset = build_epoch_dataset(source, slices, data_cpus=data_cpus, split_blocks=False)
         blocks = dataset.iter_batches(
             batch_size=None, batch_format="pyarrow", prefetch_batches=_PREFETCH_BLOCKS
         )
@@ -239,8 +218,8 @@ def iter_rank_batches(
             drop=position - begin,
             permute=(
                 (
-                    lambda index, size: window_permutation(
-                        seed=seed, epoch=epoch, rank=rank, window=index, size=size
+                    lambda index, size: order.window_permutation(
+                        epoch=epoch, rank=rank, window=index, size=size
                     )
                 )
                 if window > 1
@@ -249,8 +228,8 @@ def iter_rank_batches(
         )
 
     def produce(put: Callable[[Any], bool]) -> None:
-        for epoch in itertools.count(start_epoch):
-            position = start_sample if epoch == start_epoch else 0
+        for epoch in itertools.count(start.epoch):
+            position = start.sample if epoch == start.epoch else 0
             if position >= per_rank:
                 continue  # a checkpoint taken right at the end of an epoch
             carry: pa.Table | None = None
@@ -280,7 +259,8 @@ def shuffle_windows(
 ) -> Iterator[pa.Table]:
     """Regroup `blocks` (the rank's `rows` rows from window `first_window` on) into shuffled windows.
 
-    The first `drop` rows of the first window (already consumed before a resume) are left out.
+    `permute(w, n)` orders the n rows of window w (None: no shuffle). The first `drop` rows of the
+    first window (already consumed before a resume) are left out.
     """
     if permute is None:
         # No shuffle: blocks pass through as they are, less the rows consumed before a resume.
@@ -314,9 +294,7 @@ def shuffle_windows(
         pending_rows += block.num_rows
         while remaining and pending_rows >= min(window, remaining):
             size = min(window, remaining)
-            table = cut(size)
-            if permute is not None:
-                table = table.take(pa.array(permute(index, size)))
+            table = cut(size).take(pa.array(permute(index, size)))
             if drop:
                 table, drop = table.slice(drop), 0
             remaining -= size

@@ -1,24 +1,25 @@
 """Entrypoint of one training job on the Ray cluster.
 
-The service submits it as a Ray job, with the `LaunchRequest` as JSON in `APIARY_LAUNCH`:
+The service submits it as a Ray job, with the `LaunchRequest` as JSON in `APIARY_LAUNCH`
+(`service.protocol`):
 
     APIARY_LAUNCH='{"job_id": 1, "attempt": 1, "spec": {...}, ...}' python -m trainers.launch
 
 `main()` connects to the job's cluster and calls `run()`, which checks the dataset on the driver
-(footers only), builds the Ray Data dataset with its CPU use capped at `request.data_cpus` (so data
-tasks can never take the CPUs the train workers need, nor the reverse starve data), and runs a
-`TorchTrainer` (DDP: gloo on CPU, nccl on GPU) under `{storage_uri}/{run_name}`, where Ray Train
-also finds the checkpoint to resume from when a job is resubmitted with the same run name.
+(footers only), caps the job's Ray Data CPU use at `request.data_cpus` (so data tasks can never take
+the CPUs the train workers need, nor the reverse starve data), and runs Ray Train's data-parallel
+trainer (torch process groups: gloo on CPU, nccl on GPU) under `{storage_uri}/{run_name}`, where Ray
+Train also finds the checkpoint to resume from when a job is resubmitted with the same run name.
 
 The trainer is Ray Train V2's `DataParallelTrainer` with `trainers.backend.ProcessGroupConfig`,
 which is what `TorchTrainer` is with `TorchConfig`, minus the torch import: neither this driver nor
-the Train controller imports torch (about 1 s each before the workers can start). So this module
+the Train controller imports torch (each import delays the workers' start). So this module
 imports no torch either: the built-in train loop is reached through `builtin_train_loop`, and a
 custom trainer's module (which imports torch itself) is loaded only for a custom trainer.
 
 Exit status 0 means the job reached `max_steps`. Anything else exits 1 with, as the last line on
-stderr, `apiary-error: <one-line reason a user can act on>`; the service's reconciler reads the
-last such line from the Ray job's logs.
+stderr, `apiary-error: <one-line reason a user can act on>` (`service.protocol.error_line`); the
+service's reconciler reads the last such line from the Ray job's logs.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ from pydantic import ValidationError
 from ray.data import ExecutionOptions, ExecutionResources
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from service.spec import BUILTIN_TRAINERS, LAUNCH_ENV_VAR, JobSpec, LaunchRequest
+from service.errors import one_line
+from service.protocol import LAUNCH_ENV_VAR, LaunchRequest, clip_reason, error_line
+from service.spec import BUILTIN_TRAINERS, JobSpec
 from service.storage import checkpoint_uri, resolve_uri
 from trainers.backend import ProcessGroupConfig
 from trainers.data import DatasetInfo, inspect_dataset
@@ -50,11 +53,8 @@ from trainers.data_stream import build_epoch_dataset
 
 logger = logging.getLogger(__name__)
 
-ERROR_PREFIX = "apiary-error: "
 # What a custom trainer passes to `ray.train.get_dataset_shard`.
 DATASET_NAME = "train"
-# A reason is one line in a log and in the job's API record, not a traceback.
-MAX_REASON_CHARS = 500
 
 
 class TrainingFailed(RuntimeError):
@@ -66,7 +66,7 @@ class RunResult:
     run_name: str
     # Rank 0's metrics at the last checkpoint ("step", "samples_consumed" and the step metrics).
     metrics: dict[str, Any] = field(default_factory=dict)
-    # The latest checkpoint as a URI (see trainers.checkpoint.checkpoint_uri) and as Ray reported it.
+    # The latest checkpoint as a URI (see service.storage.checkpoint_uri) and as Ray reported it.
     checkpoint_uri: str | None = None
     checkpoint_path: str | None = None
     elapsed_s: float = 0.0
@@ -153,11 +153,11 @@ def run(request: LaunchRequest) -> RunResult:
     )
 
 
-def builtin_train_loop(config: dict[str, Any]) -> None:
+def builtin_train_loop(loop_config: dict[str, Any]) -> None:
     """`trainers.loop.train_loop_per_worker`, imported on the worker that runs it (with torch)."""
     from trainers.loop import train_loop_per_worker
 
-    train_loop_per_worker(config)
+    train_loop_per_worker(loop_config)
 
 
 def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
@@ -166,12 +166,12 @@ def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
     Custom trainers: `trainer: "package.module:function"` names a function that
     this module imports on the driver (so a typo fails before any worker starts) and hands to
     Ray Train as the per-worker function, in place of `trainers.loop.train_loop_per_worker`. It is
-    called once per worker with the same config dict the built-ins get:
+    called once per worker with the loop config (Ray Train's `train_loop_config`) the built-ins get:
 
-        config["request"]  the LaunchRequest as a JSON-ready dict
-                           (`LaunchRequest.model_validate(config["request"])` gives it back; the
-                           JobSpec, with its free-form `config` dict, is `request.spec`)
-        config["dataset"]  what the driver learned of the dataset (`DatasetInfo.from_dict`)
+        loop_config["request"]  the LaunchRequest as a JSON-ready dict
+                                (`LaunchRequest.model_validate(loop_config["request"])` gives it
+                                back; the JobSpec, with its free-form `config` dict, is `request.spec`)
+        loop_config["dataset"]  what the driver learned of the dataset (`DatasetInfo.from_dict`)
 
     It reads its shard with `ray.train.get_dataset_shard("train")` and must call
     `ray.train.report` the same number of times on every rank. The function must be importable on
@@ -214,23 +214,23 @@ def build_ray_dataset(info: DatasetInfo, *, s3_endpoint_url: str | None = None) 
 def failure_reason(err: BaseException) -> str:
     """One line a user can act on, from whatever stopped the job."""
     if isinstance(err, TrainingFailed | ValueError | ValidationError):
-        reason = _one_line(err)
+        reason = _error_text(err)
     elif isinstance(err, ray.train.WorkerGroupError) and err.worker_failures:
         rank = min(err.worker_failures)
         cause = _root_cause(err.worker_failures[rank])
         where = f"rank {rank}" if len(err.worker_failures) == 1 else f"rank {rank} (and others)"
         # A ValueError from a worker is a data or config mistake: its message is the whole story.
         reason = (
-            _one_line(cause)
+            _error_text(cause)
             if isinstance(cause, ValueError)
-            else f"training failed on {where}: {type(cause).__name__}: {_one_line(cause)}"
+            else f"training failed on {where}: {type(cause).__name__}: {_error_text(cause)}"
         )
     elif isinstance(err, ray.train.ControllerError):
         cause = _root_cause(err.controller_failure)
-        reason = f"Ray Train controller failed: {type(cause).__name__}: {_one_line(cause)}"
+        reason = f"Ray Train controller failed: {type(cause).__name__}: {_error_text(cause)}"
     else:
-        reason = f"{type(err).__name__}: {_one_line(err)}"
-    return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
+        reason = f"{type(err).__name__}: {_error_text(err)}"
+    return clip_reason(reason)
 
 
 def _root_cause(err: BaseException) -> BaseException:
@@ -248,13 +248,12 @@ def _root_cause(err: BaseException) -> BaseException:
     return err
 
 
-def _one_line(err: BaseException) -> str:
-    text = str(err)
+def _error_text(err: BaseException) -> str:
     if isinstance(err, ray.exceptions.RayError):
         # Ray's str() carries the remote traceback; the last line is the exception itself.
-        lines = [line for line in text.splitlines() if line.strip()]
-        text = lines[-1] if lines else ""
-    return " ".join(text.split()) or type(err).__name__
+        lines = [line for line in str(err).splitlines() if line.strip()]
+        return one_line(lines[-1]) if lines else type(err).__name__
+    return one_line(err)
 
 
 def main() -> int:
@@ -265,7 +264,7 @@ def main() -> int:
     try:
         request = LaunchRequest.from_env(raw)
     except (ValueError, ValidationError) as err:
-        return _fail(f"{LAUNCH_ENV_VAR} is not a valid launch request: {_one_line(err)}")
+        return _fail(f"{LAUNCH_ENV_VAR} is not a valid launch request: {_error_text(err)}")
     try:
         # Inside a Ray job, RAY_ADDRESS points at the job's cluster and this connects to it.
         ray.init()
@@ -295,7 +294,7 @@ def _fail(reason: str) -> int:
     for handler in logging.getLogger().handlers:
         handler.flush()
     sys.stdout.flush()
-    sys.stderr.write(f"{ERROR_PREFIX}{reason}\n")
+    sys.stderr.write(error_line(reason) + "\n")
     sys.stderr.flush()
     return 1
 

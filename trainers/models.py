@@ -1,33 +1,21 @@
-"""Models, losses and optimizers of the built-in trainers.
+"""The models of the built-in trainers (`trainers.registry` builds them from a job's config).
 
-Built-in trainers (`JobSpec.trainer`):
-
-- `mlp`: a multilayer perceptron over `features` (its input size is read from the data by the
-  driver). Classification (`num_classes` logits, cross-entropy) or regression (one output, MSE).
-  Optimizer: Adam at a constant `lr`.
-- `gpt`: a small decoder-only causal transformer language model (nanoGPT shape): token and
+- `MLP`: a multilayer perceptron (Linear + ReLU layers, then a Linear output).
+- `GPT`: a small decoder-only causal transformer language model (nanoGPT shape): token and
   position embeddings, pre-LayerNorm blocks of causal self-attention
   (`F.scaled_dot_product_attention`) and a 4x MLP, a final LayerNorm and an LM head tied to the
-  token embedding. Rows hold `tokens` of a fixed length L; the model reads `tokens[:, :-1]` and
-  predicts `tokens[:, 1:]`, so its context is L - 1. Optimizer: AdamW (weight decay on matrices
-  only), linear warmup over `warmup_steps`, then cosine decay to 10% of `lr` at `max_steps`,
-  gradients clipped to `grad_clip`.
+  token embedding.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.spec import GPTConfig, JobSpec, MLPConfig
-
-# Cosine decay ends at this fraction of the peak learning rate.
-MIN_LR_RATIO = 0.1
+from service.spec import GPTConfig
 
 
 class MLP(nn.Module):
@@ -121,76 +109,3 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
-
-
-def build_model(spec: JobSpec, *, row_shape: dict[str, int]) -> nn.Module:
-    """The built-in model of `spec.trainer`, sized by its config and the data's row shape."""
-    config = spec.trainer_config()
-    if isinstance(config, MLPConfig):
-        output_size = config.num_classes if config.task == "classification" else 1
-        assert output_size is not None  # MLPConfig requires num_classes for classification
-        return MLP(
-            input_size=row_shape["input_size"], hidden_sizes=config.hidden_sizes, output_size=output_size
-        )
-    if isinstance(config, GPTConfig):
-        return GPT(config, block_size=row_shape["seq_len"] - 1)
-    raise ValueError(f"trainer {spec.trainer!r} is not a built-in trainer")
-
-
-def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor], *, spec: JobSpec) -> torch.Tensor:
-    config = spec.trainer_config()
-    if isinstance(config, MLPConfig):
-        output = model(batch["features"])
-        if config.task == "classification":
-            return F.cross_entropy(output, batch["label"])
-        return F.mse_loss(output.squeeze(-1), batch["label"])
-    if isinstance(config, GPTConfig):
-        tokens = batch["tokens"]
-        logits = model(tokens[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-    raise ValueError(f"trainer {spec.trainer!r} is not a built-in trainer")
-
-
-def lr_factor(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float = MIN_LR_RATIO) -> float:
-    """Multiplier of the peak LR for optimizer step `step` (0-based): linear warmup, then cosine.
-
-    Step 0 gets 1/warmup_steps, step warmup_steps - 1 the full LR, and the decay reaches `min_ratio`
-    at `max_steps`.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _constant(step: int) -> float:
-    return 1.0
-
-
-def build_optimizer(
-    model: nn.Module, *, spec: JobSpec
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """Optimizer and per-step LR schedule of a built-in trainer (call after the model is on its device)."""
-    config = spec.trainer_config()
-    schedule: Callable[[int], float]
-    if isinstance(config, MLPConfig):
-        optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-        schedule = _constant
-    elif isinstance(config, GPTConfig):
-        # Decay matrices (linear and embedding weights), not biases or LayerNorm gains.
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
-        schedule = partial(lr_factor, warmup_steps=config.warmup_steps, max_steps=spec.max_steps)
-    else:
-        raise ValueError(f"trainer {spec.trainer!r} is not a built-in trainer")
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
-def grad_clip_of(spec: JobSpec) -> float | None:
-    """The gradient-norm clip of a built-in trainer; None means measure the norm but do not clip."""
-    config = spec.trainer_config()
-    return config.grad_clip if isinstance(config, GPTConfig) else None

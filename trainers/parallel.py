@@ -60,7 +60,7 @@ def parallelize(model: nn.Module, *, strategy: Strategy, device: torch.device) -
 
 def shard_model(model: nn.Module, *, device: torch.device) -> nn.Module:
     """FSDP2 over all ranks of the default group: each block of `model.blocks` (if any), then the root."""
-    # Imported here: FSDP and DTensor add about a second to every worker's start, and DDP needs neither.
+    # Imported here: FSDP and DTensor slow every worker's start, and DDP needs neither.
     from torch.distributed.fsdp import fully_shard
 
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))

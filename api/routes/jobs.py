@@ -8,8 +8,8 @@ from fastapi import APIRouter, Query, status
 
 from api.deps import JobsDep, OwnerDep, SchedulerDep
 from api.schemas import EventPublic, EventsPublic, JobPublic, JobsPublic, MetricPublic, MetricsPublic
-from service.models import JobState
 from service.spec import JobSpec
+from service.states import JobState
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from api.client import ApiaryClient
 from service.cluster import free_port
+from tests.support.wait import wait_until
 
 
 @dataclass
@@ -61,19 +61,21 @@ def start_serve(*, data_dir: Path, database_url: str, log: Path, timeout_s: floa
             [apiary_bin(), "serve", "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT
         )
     served = Served(url=f"http://127.0.0.1:{port}", data_dir=data_dir, process=process, log=log)
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def healthy() -> bool:
         if process.poll() is not None:
             raise RuntimeError(f"apiary serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{served.url}/healthz", timeout=2).json().get("status") == "ok":
-                return served
+            return httpx.get(f"{served.url}/healthz", timeout=2).json().get("status") == "ok"
         except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"apiary serve did not become healthy:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
+            return False
+
+    try:
+        wait_until(healthy, timeout_s=timeout_s, interval_s=0.5, what="apiary serve becoming healthy")
+    except AssertionError:
+        process.kill()
+        raise RuntimeError(f"apiary serve did not become healthy:\n{log.read_text()[-3000:]}") from None
+    return served
 
 
 def stop_serve(served: Served, timeout_s: float = 90) -> None:

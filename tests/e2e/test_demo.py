@@ -10,7 +10,7 @@ import pytest
 
 from tests.e2e.conftest import apiary_bin
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.timeout(400)]
 
 
 def test_demo_trains_a_gpt_on_two_workers_and_stops_cleanly(tmp_path: Path) -> None:

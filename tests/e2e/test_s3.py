@@ -9,22 +9,21 @@ import pytest
 import torch
 
 from api.client import ApiaryClient, ApiaryClientError
-from service.datasets import write_token_dataset
+from api.demo import token_table, write_shards
 from tests.conftest import S3
 from tests.e2e.conftest import start_serve, stop_serve
 from trainers.checkpoint import build_model_from_checkpoint, checkpoint_dir_name
 from trainers.models import GPT
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.timeout(480)]
 
 
 def test_a_job_reads_s3_and_checkpoints_to_s3_through_the_service(
     s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data_uri = f"{s3.datasets_uri}/tokens"
-    write_token_dataset(
-        data_uri, num_shards=2, rows_per_shard=64, seq_len=9, vocab_size=32, s3_endpoint_url=s3.endpoint_url
-    )
+    table = token_table(num_rows=128, seq_len=9, vocab_size=32)
+    write_shards(table, data_uri, num_shards=2, s3_endpoint_url=s3.endpoint_url)
     # `apiary serve` reads these (and the AWS variables the `s3` fixture set) from its environment.
     monkeypatch.setenv("APIARY_STORAGE_URI", s3.checkpoints_uri)
     spec: dict[str, Any] = {

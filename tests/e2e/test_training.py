@@ -13,10 +13,12 @@ from urllib.parse import urlparse
 import pytest
 
 from api.client import ApiaryClient
-from service.datasets import write_classification_dataset
+from api.demo import classification_table, write_shards
+from service.states import TERMINAL_STATES
 from tests.e2e.conftest import Served, start_serve, stop_serve
+from tests.support.wait import wait_until
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.timeout(420)]
 
 
 def mlp_spec(dataset: str, **overrides: Any) -> dict[str, Any]:
@@ -37,20 +39,21 @@ def mlp_spec(dataset: str, **overrides: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
-    uri = f"file://{tmp_path_factory.mktemp('data') / 'clf'}"
-    write_classification_dataset(uri, num_shards=4, rows_per_shard=256, num_features=8, num_classes=3)
+    uri = (tmp_path_factory.mktemp("data") / "clf").as_uri()
+    write_shards(classification_table(num_rows=1024, num_features=8, num_classes=3), uri, num_shards=4)
     return uri
 
 
 def wait_for_state(client: ApiaryClient, job_id: int, state: str, timeout_s: float = 180) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def reached() -> dict[str, Any] | None:
         job = client.get(job_id)
-        if job["state"] == state:
-            return job
-        assert job["state"] not in {"succeeded", "failed", "cancelled"} - {state}, job
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} never became {state}: {client.get(job_id)}")
+        assert job["state"] not in TERMINAL_STATES - {state}, job
+        return job if job["state"] == state else None
+
+    job: dict[str, Any] = wait_until(
+        reached, timeout_s=timeout_s, interval_s=0.5, what=f"job {job_id} {state}"
+    )
+    return job
 
 
 def test_a_two_worker_job_trains_to_a_checkpoint_that_loads(
@@ -100,10 +103,12 @@ def test_cancel_stops_the_ray_job(client: ApiaryClient, served: Served, dataset:
     cancelled = client.cancel(job["id"])
     assert cancelled["state"] == "cancelled"
 
-    deadline = time.monotonic() + 60
-    while served.ray_job_status(cancelled["ray_submission_id"]) != "STOPPED":
-        assert time.monotonic() < deadline, "the Ray job was not stopped"
-        time.sleep(0.5)
+    wait_until(
+        lambda: served.ray_job_status(cancelled["ray_submission_id"]) == "STOPPED",
+        timeout_s=60,
+        interval_s=0.5,
+        what="the Ray job stopping",
+    )
     time.sleep(2)  # a reconcile tick after the stop must not move the job
     assert client.get(job["id"])["state"] == "cancelled"
 
@@ -121,10 +126,12 @@ def test_the_local_rays_workers_run_at_nice_0_without_the_preemption_watcher(ser
     submitted = served.ray_jobs_api(
         "POST", "", json={"entrypoint": f"{sys.executable} -c {shlex.quote(probe)}"}
     )
-    deadline = time.monotonic() + 120
-    while (status := served.ray_job_status(submitted["submission_id"])) not in {"SUCCEEDED", "FAILED"}:
-        assert time.monotonic() < deadline, "the probe job did not finish"
-        time.sleep(0.5)
+
+    def finished() -> str | None:
+        status = served.ray_job_status(submitted["submission_id"])
+        return status if status in {"SUCCEEDED", "FAILED"} else None
+
+    status = wait_until(finished, timeout_s=120, interval_s=0.5, what="the probe job finishing")
     logs = served.ray_jobs_api("GET", f"{submitted['submission_id']}/logs")["logs"]
     assert status == "SUCCEEDED", logs
     assert "probe 0 0 0 0" in logs, logs
@@ -142,10 +149,9 @@ def test_a_clean_stop_of_serve_stops_its_local_ray(tmp_path: Path, postgres_url:
     served = start_serve(data_dir=tmp_path / "data", database_url=postgres_url, log=tmp_path / "serve.log")
     ray_pid = int(served.ray_state()["pid"])
     stop_serve(served)
-    deadline = time.monotonic() + 30
-    while _alive(ray_pid):
-        assert time.monotonic() < deadline, "local Ray outlived `apiary serve`"
-        time.sleep(0.5)
+    wait_until(
+        lambda: not _alive(ray_pid), timeout_s=30, interval_s=0.5, what="local Ray stopping with serve"
+    )
     assert not (served.data_dir / "ray_cluster.json").exists()
 
 
@@ -172,7 +178,6 @@ def test_local_ray_outlives_a_crash_of_serve_and_is_reused(tmp_path: Path, postg
     restarted = start_serve(data_dir=data_dir, database_url=postgres_url, log=tmp_path / "serve-2.log")
     assert int(restarted.ray_state()["pid"]) == ray_pid
     stop_serve(restarted)
-    deadline = time.monotonic() + 30
-    while _alive(ray_pid):
-        assert time.monotonic() < deadline, "local Ray outlived the restarted `apiary serve`"
-        time.sleep(0.5)
+    wait_until(
+        lambda: not _alive(ray_pid), timeout_s=30, interval_s=0.5, what="local Ray stopping with serve"
+    )

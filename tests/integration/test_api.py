@@ -12,10 +12,11 @@ import pytest
 
 from api.app import create_app
 from api.server import BackgroundServer
-from service.cluster import ERROR_PREFIX, RayJobStatus, free_port
+from service.cluster import RayJobStatus, free_port
+from service.protocol import error_line
 from service.runtime import Runtime
 from service.settings import Settings
-from tests.fakes import FakeBackend
+from tests.support.fakes import FakeBackend
 
 
 class Service:
@@ -81,7 +82,7 @@ def test_a_job_goes_from_queued_to_succeeded_with_its_whole_history(
     submission_id, launch = service.backend.submitted[0]
     assert job["ray_submission_id"] == submission_id
     assert launch.job_id == job["id"] and launch.attempt == 1 and launch.run_name == f"job-{job['id']}"
-    assert launch.report_url == f"{service.http.base_url}/internal/jobs/{job['id']}/reports"
+    assert launch.telemetry_url == f"{service.http.base_url}/internal/jobs/{job['id']}/telemetry"
     assert launch.spec.model_dump(mode="json") == job["spec"]
 
     service.backend.statuses[submission_id] = RayJobStatus.RUNNING
@@ -163,7 +164,7 @@ def test_a_failed_ray_job_carries_the_trainers_reason(service: Service, spec: di
     submission_id = service.backend.submission_of(job["id"])
     service.backend.statuses[submission_id] = RayJobStatus.FAILED
     service.backend.logs[submission_id] = (
-        f"Traceback ...\nValueError: x\n{ERROR_PREFIX} dataset has no column 'label'\n"
+        "Traceback ...\nValueError: x\n" + error_line("dataset has no column 'label'") + "\n"
     )
     service.tick()
     job = service.job(job["id"])
@@ -182,7 +183,7 @@ def test_a_submission_ray_never_received_is_requeued(service: Service, spec: dic
     assert job["ray_submission_id"] != submission_id
 
 
-def test_trainer_reports_store_metrics_and_the_latest_checkpoint(
+def test_trainer_telemetry_stores_metrics_and_the_latest_checkpoint(
     service: Service, spec: dict[str, Any]
 ) -> None:
     job = service.submit(spec)
@@ -191,7 +192,7 @@ def test_trainer_reports_store_metrics_and_the_latest_checkpoint(
         for step in range(5)
         for rank in (0, 1)
     ]
-    url = f"/internal/jobs/{job['id']}/reports"
+    url = f"/internal/jobs/{job['id']}/telemetry"
     body = {
         "attempt": 1,
         "points": points,
@@ -229,7 +230,6 @@ def test_unknown_job_is_404_and_health_is_ok(service: Service) -> None:
         "status": "ok",
         "database": "ok",
         "ray": "ok",
-        "details": {},
     }
     service.backend.available = False
     assert service.http.get("/healthz").json()["status"] == "degraded"

@@ -7,7 +7,8 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
 from service.db import build_engine, upgrade
-from service.models import Base, JobState
+from service.models import Base
+from service.states import JobState
 
 
 def test_upgrade_of_an_empty_database_matches_the_models(database_url: str) -> None:

@@ -8,8 +8,10 @@ from sqlalchemy import func, select
 from service import repository
 from service.db import Database
 from service.errors import InvalidTransition, JobNotFound
-from service.models import Job, JobEvent, JobState, Metric
-from service.spec import JobSpec, MetricPoint
+from service.models import Job, JobEvent, Metric
+from service.protocol import MetricPoint
+from service.spec import JobSpec
+from service.states import JobState
 
 
 @pytest.fixture

@@ -12,17 +12,17 @@ import pytest
 from typer.testing import CliRunner
 
 from api.cli import app
-from service.datasets import classification_table, token_table, write_token_dataset
+from api.demo import classification_table, token_table, write_shards
 from service.errors import DatasetError
-from service.sharding import ShardingError, decode_webdataset, encode_webdataset, shard_dataset
+from service.sharding import ShardingError, shard_dataset
 from service.storage import MANIFEST_NAME, list_shards, read_manifest, validate_manifest
-from tests.conftest import S3
+from service.webdataset import decode_webdataset, encode_webdataset
 
 
 @pytest.fixture
 def source(tmp_path: Path) -> Path:
     folder = tmp_path / "source"
-    write_token_dataset(folder.as_uri(), num_shards=2, rows_per_shard=50, seq_len=7, vocab_size=16)
+    write_shards(token_table(num_rows=100, seq_len=7, vocab_size=16), folder.as_uri(), num_shards=2)
     return folder
 
 
@@ -135,17 +135,3 @@ def test_cli_shards_and_refuses_bad_input_with_exit_2(source: Path, tmp_path: Pa
     missing = runner.invoke(app, ["data", "shard", str(tmp_path / "nope"), str(tmp_path / "x")])
     assert missing.exit_code == 2 and missing.output.count("\n") == 1, missing.output
     assert "does not exist" in missing.output
-
-
-def test_shard_to_s3_writes_a_manifest_that_validates_and_lists(source: Path, s3: S3) -> None:
-    dest = f"{s3.datasets_uri}/sharded"
-    runner = CliRunner()
-    result = runner.invoke(
-        app, ["data", "shard", str(source), dest, "--format", "webdataset", "--num-shards", "3"]
-    )
-    assert result.exit_code == 0, result.output
-    manifest = read_manifest(dest, s3_endpoint_url=s3.endpoint_url)
-    assert manifest is not None and manifest.num_rows == 100
-    validate_manifest(manifest, uri=dest, s3_endpoint_url=s3.endpoint_url)
-    files, _ = list_shards(dest, data_format="webdataset", s3_endpoint_url=s3.endpoint_url)
-    assert [f.rsplit("/", 1)[-1] for f in files] == ["shard-00000.tar", "shard-00001.tar", "shard-00002.tar"]

@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from service.spec import JobSpec, LaunchRequest, load_spec
+from service.spec import JobSpec, parse_spec_text
 
 
 def valid(**overrides: Any) -> dict[str, Any]:
@@ -36,7 +36,7 @@ def test_defaults_are_filled_and_builtin_config_is_completed() -> None:
     assert spec.strategy == "ddp"
     assert spec.checkpoint.every_steps is None
     assert spec.config["d_model"] == 64  # GPTConfig defaults are stored, so the trainer runs exactly this
-    assert spec.gang_resources() == {"CPU": 2.0}
+    assert spec.dataset.format == "parquet"
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,6 @@ def test_trainer_config_errors_name_the_inner_field() -> None:
 def test_custom_trainer_config_is_passed_through() -> None:
     spec = JobSpec.model_validate(valid(trainer="my_pkg.train:loop", config={"anything": [1, 2]}))
     assert spec.config == {"anything": [1, 2]}
-    assert spec.trainer_config() is None
 
 
 def test_yaml_and_json_load_alike(tmp_path: Any) -> None:
@@ -93,33 +92,20 @@ def test_yaml_and_json_load_alike(tmp_path: Any) -> None:
     )
     json_path = tmp_path / "job.json"
     json_path.write_text(JobSpec.model_validate(valid()).model_dump_json())
-    assert load_spec(yaml_path) == load_spec(json_path)
-
-
-def test_launch_request_round_trips_through_the_environment() -> None:
-    request = LaunchRequest(
-        job_id=3,
-        attempt=1,
-        spec=JobSpec.model_validate(valid()),
-        storage_uri="/tmp/ckpt",
-        run_name="job-3",
-        report_url="http://127.0.0.1:8000/internal/jobs/3/reports",
+    assert JobSpec.model_validate(parse_spec_text(yaml_path.read_text())) == JobSpec.model_validate(
+        parse_spec_text(json_path.read_text())
     )
-    assert LaunchRequest.from_env(request.to_env()) == request
 
 
 def test_fixed_num_workers_is_a_gang_of_that_size() -> None:
     spec = JobSpec.model_validate(valid(num_workers=3, resources_per_worker={"CPU": 0.5, "GPU": 1}))
     assert (spec.num_workers, spec.min_workers, spec.max_workers, spec.is_elastic) == (3, 3, 3, False)
-    assert spec.gang_resources() == {"CPU": 1.5, "GPU": 3.0}
     assert spec.uses_gpu
 
 
 def test_elastic_num_workers_admits_at_min_and_round_trips() -> None:
     spec = JobSpec.model_validate(valid(num_workers={"min": 1, "max": 4}))
     assert (spec.min_workers, spec.max_workers, spec.is_elastic) == (1, 4, True)
-    assert spec.gang_resources() == {"CPU": 1.0}
-    assert spec.gang_resources(num_workers=spec.max_workers) == {"CPU": 4.0}
     # The trainer gets the spec as JSON (LaunchRequest): it must come back the same.
     assert JobSpec.model_validate_json(spec.model_dump_json()) == spec
     assert spec.model_dump(mode="json")["num_workers"] == {"min": 1, "max": 4}

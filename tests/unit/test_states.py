@@ -2,8 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.models import TERMINAL_STATES, JobState
-from service.states import ALLOWED, can_transition
+from service.states import ALLOWED, TERMINAL_STATES, JobState, can_transition
 
 
 def test_every_state_has_a_row() -> None:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from service.datasets import write_token_dataset
+from api.demo import token_table, write_shards
 from service.errors import DatasetError
 from service.storage import list_shards, resolve_uri
 
@@ -26,7 +26,7 @@ def test_resolve_uri_local_and_s3() -> None:
 
 def test_list_shards_skips_hidden_and_other_files(tmp_path: Path) -> None:
     folder = tmp_path / "d"
-    write_token_dataset(folder.as_uri(), num_shards=2, rows_per_shard=4, seq_len=5, vocab_size=8)
+    write_shards(token_table(num_rows=8, seq_len=5, vocab_size=8), folder.as_uri(), num_shards=2)
     (folder / "_SUCCESS").write_text("")
     (folder / "notes.txt").write_text("")
     files, _ = list_shards(folder.as_uri())

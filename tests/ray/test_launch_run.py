@@ -1,7 +1,7 @@
 """End to end on a real local Ray cluster: `trainers.launch.run()` and `python -m trainers.launch`.
 
-Each `run()` costs ~20-35 s here (Train controller and worker start-up dominate), so the jobs are
-tiny and each test checks as much as one run can show.
+Each `run()` pays the Train controller's and workers' start-up, so the jobs are tiny and each test
+checks as much as one run can show.
 """
 
 from __future__ import annotations
@@ -17,33 +17,37 @@ import pyarrow as pa
 import pytest
 import torch
 
-from service.spec import LAUNCH_ENV_VAR
+from api.demo import write_shards
+from service.errors import DatasetError
+from service.protocol import LAUNCH_ENV_VAR, error_line
+from tests.support.datasets import write_classes, write_tokens
+from tests.support.jobs import make_request, make_spec
+from tests.support.telemetry import TelemetryServer
 from trainers.checkpoint import build_model_from_checkpoint, checkpoint_dir_name, load_checkpoint
-from trainers.data import DatasetError
-from trainers.launch import ERROR_PREFIX, TrainingFailed, run
+from trainers.launch import TrainingFailed, run
 from trainers.loop import STEP_METRICS
 from trainers.models import GPT
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
 
 GPT_CONFIG = {"vocab_size": 32, "d_model": 32, "n_layers": 2, "n_heads": 4, "warmup_steps": 5, "lr": 3e-3}
 
 
-def test_gpt_trains_checkpoints_reports_and_resumes(
-    ray_cluster: str, synthetic: Any, tmp_path: Path, report_server: Any
+def test_gpt_trains_checkpoints_sends_telemetry_and_resumes(
+    ray_cluster: str, tmp_path: Path, telemetry_server: TelemetryServer
 ) -> None:
-    data = synthetic.write_token_dataset(tmp_path / "tokens", rows=256, seq_len=17, vocab_size=32, shards=3)
+    data = write_tokens(tmp_path / "tokens", rows=256, seq_len=17, vocab_size=32, shards=3)
     storage = tmp_path / "storage"
 
     def request(max_steps: int) -> Any:
-        spec = synthetic.make_spec(
+        spec = make_spec(
             trainer="gpt",
             dataset=data,
             config=GPT_CONFIG,
             max_steps=max_steps,
             checkpoint={"every_steps": 10},
         )
-        return synthetic.make_request(spec, storage=storage, run_name="gpt-run", report_url=report_server.url)
+        return make_request(spec, storage=storage, run_name="gpt-run", telemetry_url=telemetry_server.url)
 
     # First submission stops at step 20; the second, under the same run name, resumes there.
     first = run(request(20))
@@ -62,7 +66,7 @@ def test_gpt_trains_checkpoints_reports_and_resumes(
     assert isinstance(model, GPT) and model.block_size == 16
     assert model(torch.zeros(1, 16, dtype=torch.long)).shape == (1, 16, 32)
 
-    points = report_server.points()
+    points = telemetry_server.points()
     assert {p["rank"] for p in points} == {0, 1}
     for rank in (0, 1):
         steps = [p["step"] for p in points if p["rank"] == rank]
@@ -71,16 +75,14 @@ def test_gpt_trains_checkpoints_reports_and_resumes(
     assert all(set(p["values"]) == set(STEP_METRICS) for p in points)
     loss = {p["step"]: p["values"]["loss"] for p in points if p["rank"] == 0}
     assert loss[30] < loss[1] - 0.5, loss
-    assert [c["step"] for c in report_server.checkpoints()] == [10, 20, 30]
-    assert report_server.checkpoints()[-1]["uri"] == second.checkpoint_uri
+    assert [c["step"] for c in telemetry_server.checkpoints()] == [10, 20, 30]
+    assert telemetry_server.checkpoints()[-1]["uri"] == second.checkpoint_uri
 
 
-def test_mlp_classification_learns(ray_cluster: str, synthetic: Any, tmp_path: Path) -> None:
-    data = synthetic.write_classification_dataset(tmp_path / "cls", rows=512, num_features=8, num_classes=3)
-    spec = synthetic.make_spec(
-        trainer="mlp", dataset=data, config={"num_classes": 3, "lr": 1e-2}, max_steps=40
-    )
-    result = run(synthetic.make_request(spec, storage=tmp_path / "storage", run_name="mlp-run"))
+def test_mlp_classification_learns(ray_cluster: str, tmp_path: Path) -> None:
+    data = write_classes(tmp_path / "cls", rows=512, num_features=8, num_classes=3)
+    spec = make_spec(trainer="mlp", dataset=data, config={"num_classes": 3, "lr": 1e-2}, max_steps=40)
+    result = run(make_request(spec, storage=tmp_path / "storage", run_name="mlp-run"))
 
     assert result.step == 40
     assert result.metrics["loss"] < 0.3  # from ~ln(3) = 1.1 at the start
@@ -90,13 +92,11 @@ def test_mlp_classification_learns(ray_cluster: str, synthetic: Any, tmp_path: P
     assert model(torch.zeros(2, 8)).shape == (2, 3)
 
 
-def test_bad_dataset_fails_before_training_with_a_clear_reason(
-    ray_cluster: str, synthetic: Any, tmp_path: Path
-) -> None:
-    data = synthetic.write_classification_dataset(tmp_path / "cls", rows=64)
-    spec = synthetic.make_spec(trainer="gpt", dataset=data, config=GPT_CONFIG)
-    request = synthetic.make_request(spec, storage=tmp_path / "storage", run_name="bad")
-    expected = f"dataset {data.as_uri()} has no column 'tokens' (columns: features, label)"
+def test_bad_dataset_fails_before_training_with_a_clear_reason(ray_cluster: str, tmp_path: Path) -> None:
+    data = write_classes(tmp_path / "cls", rows=64)
+    spec = make_spec(trainer="gpt", dataset=data, config=GPT_CONFIG)
+    request = make_request(spec, storage=tmp_path / "storage", run_name="bad")
+    expected = f"dataset {data.as_uri()} has no column 'tokens' (columns: id, features, label)"
 
     with pytest.raises(DatasetError) as raised:
         run(request)
@@ -108,40 +108,39 @@ def test_bad_dataset_fails_before_training_with_a_clear_reason(
         [sys.executable, "-m", "trainers.launch"], env=env, capture_output=True, text=True, timeout=120
     )
     assert process.returncode == 1, process.stderr
-    assert process.stderr.rstrip("\n").splitlines()[-1] == f"{ERROR_PREFIX}{expected}"
+    assert process.stderr.rstrip("\n").splitlines()[-1] == error_line(expected)
 
 
-def test_bad_rows_fail_in_the_workers_with_the_data_error(
-    ray_cluster: str, synthetic: Any, tmp_path: Path
-) -> None:
+def test_bad_rows_fail_in_the_workers_with_the_data_error(ray_cluster: str, tmp_path: Path) -> None:
     # Labels go up to 2 but the spec says two classes: only the workers' batches can tell.
-    data = synthetic.write_classification_dataset(tmp_path / "cls", rows=64, num_classes=3)
-    spec = synthetic.make_spec(trainer="mlp", dataset=data, config={"num_classes": 2}, max_steps=5)
+    data = write_classes(tmp_path / "cls", rows=64, num_classes=3)
+    spec = make_spec(trainer="mlp", dataset=data, config={"num_classes": 2}, max_steps=5)
     with pytest.raises(TrainingFailed, match=r"label 2 is outside \[0, num_classes=2\)"):
-        run(synthetic.make_request(spec, storage=tmp_path / "storage", run_name="bad-rows"))
+        run(make_request(spec, storage=tmp_path / "storage", run_name="bad-rows"))
 
 
 def test_a_custom_trainer_gets_the_dataset_and_the_deterministic_stream(
-    ray_cluster: str, synthetic: Any, tmp_path: Path
+    ray_cluster: str, tmp_path: Path
 ) -> None:
     """README's custom trainer contract: `get_dataset_shard("train")` covers the epoch, and
     `trainers.data.iter_batches_for_rank` gives each rank the same disjoint rows on every run."""
     tokens = [[row % 32, (row + 1) % 32] for row in range(96)]
     table = pa.table({"id": range(96), "tokens": pa.array(tokens, pa.list_(pa.int64()))})
-    data = synthetic.write_shards(tmp_path / "tokens", table, shards=3)
+    data = tmp_path / "tokens"
+    write_shards(table, data.as_uri(), num_shards=3)
     out = tmp_path / "seen"
     out.mkdir()
 
     def seen(run_name: str) -> list[dict[str, Any]]:
-        spec = synthetic.make_spec(
-            trainer="tests.trainers.custom_trainer:train",
+        spec = make_spec(
+            trainer="tests.support.custom_trainer:train",
             name="custom",
             dataset=data,
             config={"out": str(out)},
             max_steps=4,
             batch_size=8,
         )
-        run(synthetic.make_request(spec, storage=tmp_path / "storage", run_name=run_name))
+        run(make_request(spec, storage=tmp_path / "storage", run_name=run_name))
         return [json.loads((out / f"{run_name}-rank-{rank}.json").read_text()) for rank in (0, 1)]
 
     first, second = seen("custom-1"), seen("custom-2")

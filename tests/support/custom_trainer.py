@@ -1,4 +1,4 @@
-"""A custom trainer, as a user would write one (`trainer: tests.trainers.custom_trainer:train`).
+"""A custom trainer, as a user would write one (`trainer: tests.support.custom_trainer:train`).
 
 It reads the job's dataset both ways the README offers: Ray Train's `get_dataset_shard("train")`
 (the whole epoch, split dynamically) and the built-ins' deterministic stream,
@@ -14,31 +14,26 @@ from typing import Any
 import pyarrow as pa
 import ray.train
 import torch
-from ray.data.collate_fn import ArrowBatchCollateFn
 
-from service.spec import LaunchRequest
+from service.protocol import LaunchRequest
 from trainers.data import DatasetInfo, iter_batches_for_rank
 
 
-class TokensCollate(ArrowBatchCollateFn):
-    def __call__(self, batch: pa.Table) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        return {
-            "id": torch.tensor(batch.column("id").to_pylist(), dtype=torch.int64),
-            "tokens": torch.tensor(batch.column("tokens").to_pylist(), dtype=torch.int64),
-        }
+def collate(batch: pa.Table) -> dict[str, torch.Tensor]:
+    return {
+        "id": torch.tensor(batch.column("id").to_pylist(), dtype=torch.int64),
+        "tokens": torch.tensor(batch.column("tokens").to_pylist(), dtype=torch.int64),
+    }
 
 
-def train(config: dict[str, Any]) -> None:
-    request = LaunchRequest.model_validate(config["request"])
-    info = DatasetInfo.from_dict(config["dataset"])
+def train(loop_config: dict[str, Any]) -> None:
+    request = LaunchRequest.model_validate(loop_config["request"])
+    info = DatasetInfo.from_dict(loop_config["dataset"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
 
     shard_rows = sum(len(batch["id"]) for batch in ray.train.get_dataset_shard("train").iter_batches())
-    stream = iter_batches_for_rank(
-        request.spec, info, rank=rank, world_size=world_size, collate_fn=TokensCollate()
-    )
-    with stream:
+    with iter_batches_for_rank(request, info, rank=rank, world_size=world_size, collate_fn=collate) as stream:
         batches = [next(stream) for _ in range(request.spec.max_steps)]
     seen = {
         "shard_rows": shard_rows,

@@ -9,32 +9,36 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pytest
 import torch
+from typer.testing import CliRunner
 
-from service.datasets import token_table, write_token_dataset
+from api.cli import app
+from api.demo import token_table, write_shards
 from service.errors import DatasetError
+from service.protocol import LAUNCH_ENV_VAR
 from service.scheduler import Scheduler
 from service.settings import Settings
-from service.spec import LAUNCH_ENV_VAR, JobSpec
-from service.storage import list_shards, resolve_uri
+from service.spec import JobSpec
+from service.storage import list_shards, read_manifest, resolve_uri, validate_manifest
 from tests.conftest import S3
-from tests.fakes import FakeBackend
+from tests.support.fakes import FakeBackend
 from trainers.checkpoint import (
+    TrainParts,
+    TrainState,
     build_model_from_checkpoint,
     capture_rng_state,
     download_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from trainers.models import build_model, build_optimizer
+from trainers.registry import builtin_trainer
 
 GPT_CONFIG = {"vocab_size": 16, "d_model": 16, "n_layers": 1, "n_heads": 2}
 
 
 def test_a_token_dataset_written_to_s3_lists_and_reads_back(s3: S3) -> None:
     uri = f"{s3.datasets_uri}/tokens"
-    written = write_token_dataset(
-        uri, num_shards=3, rows_per_shard=10, seq_len=5, vocab_size=8, s3_endpoint_url=s3.endpoint_url
-    )
+    tokens = token_table(num_rows=30, seq_len=5, vocab_size=8)
+    written = write_shards(tokens, uri, num_shards=3, s3_endpoint_url=s3.endpoint_url)
 
     files, filesystem = list_shards(uri, s3_endpoint_url=s3.endpoint_url)
     assert isinstance(filesystem, pafs.S3FileSystem)
@@ -43,8 +47,7 @@ def test_a_token_dataset_written_to_s3_lists_and_reads_back(s3: S3) -> None:
     ]
     table = pads.dataset(files, filesystem=filesystem, format="parquet").to_table()
     assert table.column("id").to_pylist() == list(range(30))
-    expected = token_table(num_rows=10, seq_len=5, vocab_size=8, seed=1, first_id=10)
-    assert table.slice(10, 10).equals(expected)
+    assert table.equals(tokens)
     single, _ = list_shards(f"s3://{files[1]}", s3_endpoint_url=s3.endpoint_url)
     assert single == [files[1]]
 
@@ -69,23 +72,14 @@ def test_a_checkpoint_in_s3_loads_and_rebuilds_its_model(s3: S3, tmp_path: Path)
         }
     )
     torch.manual_seed(0)
-    model = build_model(spec, row_shape={"seq_len": 8})
-    optimizer, scheduler = build_optimizer(model, spec=spec)
+    trainer = builtin_trainer(spec)
+    model = trainer.build_model({"seq_len": 8})
+    optimizer, lr_schedule = trainer.build_optimizer(model, max_steps=spec.max_steps)
+    parts = TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule)
     local = tmp_path / "checkpoint_00000001"
     local.mkdir()
-    save_checkpoint(
-        local,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        spec=spec,
-        row_shape={"seq_len": 8},
-        step=1,
-        epoch=0,
-        batches_in_epoch=1,
-        samples_consumed=2,
-        rng=[capture_rng_state()],
-    )
+    state = TrainState(step=1, batches_in_epoch=1, samples_consumed=2)
+    save_checkpoint(local, parts, state, spec=spec, row_shape={"seq_len": 8}, rng=[capture_rng_state()])
     uri = f"{s3.checkpoints_uri}/job-1/checkpoint_00000001"
     root, filesystem = resolve_uri(uri, s3_endpoint_url=s3.endpoint_url)
     pafs.copy_files(
@@ -117,8 +111,8 @@ def test_jobs_get_the_s3_endpoint_and_aws_variables_in_their_runtime_env_only(
     from service.runtime import Runtime
 
     uri = f"{s3.datasets_uri}/tokens"
-    write_token_dataset(
-        uri, num_shards=1, rows_per_shard=8, seq_len=5, vocab_size=8, s3_endpoint_url=s3.endpoint_url
+    write_shards(
+        token_table(num_rows=8, seq_len=5, vocab_size=8), uri, num_shards=1, s3_endpoint_url=s3.endpoint_url
     )
     # Settings from the environment, as `apiary serve` reads it (the `s3` fixture set the variables).
     settings = Settings(data_dir=tmp_path / "data", storage_uri=s3.checkpoints_uri)
@@ -157,3 +151,19 @@ def test_jobs_get_the_s3_endpoint_and_aws_variables_in_their_runtime_env_only(
 
     off = Settings(data_dir=tmp_path / "data", forward_aws_env=False)
     assert off.job_aws_env() == {}
+
+
+def test_shard_to_s3_writes_a_manifest_that_validates_and_lists(s3: S3, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    write_shards(token_table(num_rows=100, seq_len=7, vocab_size=16), source.as_uri(), num_shards=2)
+    dest = f"{s3.datasets_uri}/sharded"
+    runner = CliRunner()
+    result = runner.invoke(
+        app, ["data", "shard", str(source), dest, "--format", "webdataset", "--num-shards", "3"]
+    )
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(dest, s3_endpoint_url=s3.endpoint_url)
+    assert manifest is not None and manifest.num_rows == 100
+    validate_manifest(manifest, uri=dest, s3_endpoint_url=s3.endpoint_url)
+    files, _ = list_shards(dest, data_format="webdataset", s3_endpoint_url=s3.endpoint_url)
+    assert [f.rsplit("/", 1)[-1] for f in files] == ["shard-00000.tar", "shard-00001.tar", "shard-00002.tar"]

@@ -22,14 +22,16 @@ from service.spec import JobSpec, Strategy
 from trainers.checkpoint import (
     SHARDED_DIR,
     STATE_FILE,
+    TrainParts,
+    TrainState,
     build_model_from_checkpoint,
     capture_rng_state,
     load_checkpoint,
     restore_checkpoint,
     save_checkpoint,
 )
-from trainers.models import build_model, build_optimizer, compute_loss
 from trainers.parallel import autocast, clip_grad_norm, is_sharded, parallelize
+from trainers.registry import builtin_trainer
 
 GPT_CONFIG = {"vocab_size": 24, "d_model": 16, "n_layers": 2, "n_heads": 2, "warmup_steps": 2, "lr": 1e-2}
 ROW_SHAPE = {"seq_len": 9}
@@ -84,48 +86,46 @@ def _worker(rank: int, world_size: int, task: str, folder: str, spec_json: dict[
     os._exit(0)
 
 
+def build_parts(spec: JobSpec, *, wrap: bool) -> TrainParts:
+    """Model (wrapped for `spec.strategy` over the process group), optimizer and LR schedule."""
+    trainer = builtin_trainer(spec)
+    model = trainer.build_model(ROW_SHAPE)
+    if wrap:
+        model = parallelize(model, strategy=spec.strategy, device=CPU)
+    optimizer, lr_schedule = trainer.build_optimizer(model, max_steps=spec.max_steps)
+    return TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule)
+
+
 def _run_task(rank: int, world_size: int, task: str, folder: str, spec_json: dict[str, Any]) -> None:
     spec = JobSpec.model_validate(spec_json)
+    trainer = builtin_trainer(spec)
     torch.manual_seed(spec.seed)
-    model = parallelize(build_model(spec, row_shape=ROW_SHAPE), strategy=spec.strategy, device=CPU)
+    parts = build_parts(spec, wrap=True)
+    model, optimizer = parts.model, parts.optimizer
     assert is_sharded(model) == (spec.strategy is Strategy.FSDP)
-    optimizer, scheduler = build_optimizer(model, spec=spec)
     checkpoint = Path(folder, "checkpoint")
     step = 0
     if task == "train":
         for step in range(1, 4):
             with autocast(spec.precision, device=CPU):
-                loss = compute_loss(model, batch_for(step, rank=rank, world_size=world_size), spec=spec)
+                loss = trainer.loss(model, batch_for(step, rank=rank, world_size=world_size))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             clip_grad_norm(model, max_norm=1.0)
             optimizer.step()
-            scheduler.step()
+            parts.lr_schedule.step()
         rng = [capture_rng_state()] * world_size
         # As under Ray Train: each rank writes into its own folder, the folders are merged after.
         own = Path(folder, f"rank-{rank}")
         own.mkdir()
-        wrote = save_checkpoint(
-            own,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            spec=spec,
-            row_shape=ROW_SHAPE,
-            step=step,
-            epoch=0,
-            batches_in_epoch=step,
-            samples_consumed=step * 8,
-            rng=rng,
-            rank=rank,
-        )
+        state = TrainState(step=step, batches_in_epoch=step, samples_consumed=step * 8)
+        wrote = save_checkpoint(own, parts, state, spec=spec, row_shape=ROW_SHAPE, rng=rng, rank=rank)
         assert wrote == (rank == 0 or is_sharded(model))
     else:
-        state = restore_checkpoint(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
-        step = state["step"]
+        step = restore_checkpoint(checkpoint, parts)["step"]
     full = full_state(model, optimizer)
     if rank == 0:
-        torch.save({"step": step, "lr": scheduler.get_last_lr(), **full}, Path(folder, f"{task}.pt"))
+        torch.save({"step": step, "lr": parts.lr_schedule.get_last_lr(), **full}, Path(folder, f"{task}.pt"))
 
 
 def spawn(world_size: int, *, task: str, folder: Path, spec: JobSpec) -> dict[str, Any]:
@@ -204,50 +204,44 @@ def test_ddp_checkpoint_is_one_full_state_file(tmp_path: Path) -> None:
 
 def test_full_checkpoint_refuses_an_fsdp_model(tmp_path: Path) -> None:
     spec = gpt_spec()
-    model = build_model(spec, row_shape=ROW_SHAPE)
-    optimizer, scheduler = build_optimizer(model, spec=spec)
-    common: dict[str, Any] = {"spec": spec, "row_shape": ROW_SHAPE, "rng": [capture_rng_state()]}
+    state = TrainState(step=1, batches_in_epoch=1, samples_consumed=4)
     save_checkpoint(
         tmp_path,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        step=1,
-        epoch=0,
-        batches_in_epoch=1,
-        samples_consumed=4,
-        **common,
+        build_parts(spec, wrap=False),
+        state,
+        spec=spec,
+        row_shape=ROW_SHAPE,
+        rng=[capture_rng_state()],
     )
     with tempfile.TemporaryDirectory() as folder:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         dist.init_process_group("gloo", init_method=Path(folder, "rendezvous").as_uri(), rank=0, world_size=1)
         try:
-            sharded = parallelize(build_model(spec, row_shape=ROW_SHAPE), strategy=Strategy.FSDP, device=CPU)
-            sharded_optimizer, sharded_scheduler = build_optimizer(sharded, spec=spec)
+            sharded = build_parts(spec.model_copy(update={"strategy": Strategy.FSDP}), wrap=True)
+            assert is_sharded(sharded.model)
             with pytest.raises(ValueError, match="resume it with that strategy"):
-                restore_checkpoint(
-                    tmp_path, model=sharded, optimizer=sharded_optimizer, scheduler=sharded_scheduler
-                )
+                restore_checkpoint(tmp_path, sharded)
         finally:
             dist.destroy_process_group()
 
 
 def test_bf16_autocast_trains_on_cpu() -> None:
     spec = gpt_spec(precision="bf16", num_workers=1)
+    trainer = builtin_trainer(spec)
     torch.manual_seed(0)
-    model = build_model(spec, row_shape=ROW_SHAPE)
-    optimizer, scheduler = build_optimizer(model, spec=spec)
+    parts = build_parts(spec, wrap=False)
+    model, optimizer = parts.model, parts.optimizer
     losses = []
     for step in range(40):
         with autocast(spec.precision, device=CPU):
             logits = model(batch_for(step % 4, rank=0, world_size=1)["tokens"][:, :-1])
             assert logits.dtype == torch.bfloat16  # the matmuls really ran in bf16
-            loss = compute_loss(model, batch_for(step % 4, rank=0, world_size=1), spec=spec)
+            loss = trainer.loss(model, batch_for(step % 4, rank=0, world_size=1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         clip_grad_norm(model, max_norm=1.0)
         optimizer.step()
-        scheduler.step()
+        parts.lr_schedule.step()
         losses.append(loss.item())
     assert next(model.parameters()).dtype == torch.float32  # master weights stay fp32
     assert losses[-1] < losses[0] - 1.0, losses
@@ -259,6 +253,6 @@ def test_precision_must_be_known() -> None:
 
 
 def test_without_a_process_group_the_model_is_only_moved() -> None:
-    model = build_model(gpt_spec(), row_shape=ROW_SHAPE)
+    model = builtin_trainer(gpt_spec()).build_model(ROW_SHAPE)
     assert parallelize(model, strategy=Strategy.DDP, device=CPU) is model
     assert parallelize(model, strategy=Strategy.FSDP, device=CPU) is model

@@ -1,6 +1,6 @@
 """FSDP, bf16 and elastic workers through `trainers.launch.run()` on a real local Ray cluster.
 
-One test, two runs (~30-60 s each here): a 2-worker FSDP bf16 job checkpoints at step 10; the same
+One test, two runs: a 2-worker FSDP bf16 job checkpoints at step 10; the same
 run resumed with `num_workers: {min: 1, max: 3}` (elastic; the cluster has room for 3) re-shards
 that checkpoint onto 3 workers and continues from step 11.
 """
@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.datasets import write_tokens
+from tests.support.jobs import make_request, make_spec
+from tests.support.telemetry import TelemetryServer
 from trainers.checkpoint import (
     SHARDED_DIR,
     build_model_from_checkpoint,
@@ -22,19 +25,19 @@ from trainers.checkpoint import (
 from trainers.launch import run
 from trainers.models import GPT
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 
 GPT_CONFIG = {"vocab_size": 32, "d_model": 32, "n_layers": 2, "n_heads": 4, "warmup_steps": 5, "lr": 3e-3}
 
 
 def test_fsdp_bf16_checkpoint_resumes_on_an_elastic_group_of_another_size(
-    ray_cluster: str, synthetic: Any, tmp_path: Path, report_server: Any
+    ray_cluster: str, tmp_path: Path, telemetry_server: TelemetryServer
 ) -> None:
-    data = synthetic.write_token_dataset(tmp_path / "tokens", rows=256, seq_len=17, vocab_size=32, shards=3)
+    data = write_tokens(tmp_path / "tokens", rows=256, seq_len=17, vocab_size=32, shards=3)
     storage = tmp_path / "storage"
 
     def request(max_steps: int, num_workers: Any) -> Any:
-        spec = synthetic.make_spec(
+        spec = make_spec(
             trainer="gpt",
             dataset=data,
             config=GPT_CONFIG,
@@ -46,9 +49,7 @@ def test_fsdp_bf16_checkpoint_resumes_on_an_elastic_group_of_another_size(
             batch_size=8,
             checkpoint={"every_steps": 10},
         )
-        return synthetic.make_request(
-            spec, storage=storage, run_name="fsdp-run", report_url=report_server.url
-        )
+        return make_request(spec, storage=storage, run_name="fsdp-run", telemetry_url=telemetry_server.url)
 
     first = run(request(10, 2))
     assert first.step == 10
@@ -68,7 +69,7 @@ def test_fsdp_bf16_checkpoint_resumes_on_an_elastic_group_of_another_size(
     state = load_checkpoint(storage / "fsdp-run" / checkpoint_dir_name(16))
     assert state["step"] == 16 and state["world_size"] == 3
 
-    points = report_server.points()
+    points = telemetry_server.points()
     steps_by_rank: dict[int, list[int]] = {}
     for point in points:
         steps_by_rank.setdefault(point["rank"], []).append(point["step"])

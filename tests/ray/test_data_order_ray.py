@@ -1,8 +1,8 @@
 """The data plane on a real local Ray cluster, through `trainers.launch.run()`.
 
-Every rank appends the sample ids of each step to `{APIARY_DATA_TRACE_DIR}/{run_name}/rank-{r}.jsonl`
-(the cluster's workers get the variable through the job's runtime_env), which lets these tests compare
-runs sample by sample. Each `run()` costs ~20-35 s here, so the jobs are tiny.
+Every rank appends the sample ids of each step to `{data_trace_dir}/{run_name}/rank-{r}.jsonl` (the
+launch request's `data_trace_dir`), which lets these tests compare runs sample by sample. Each `run()`
+pays Ray Train's start-up, so the jobs are tiny.
 """
 
 from __future__ import annotations
@@ -11,23 +11,24 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pytest
 
-from service.datasets import write_token_dataset
+from api.demo import token_table, write_shards
+from service.errors import DatasetError
+from service.protocol import LAUNCH_ENV_VAR, LaunchRequest, error_line
 from service.sharding import shard_dataset
-from service.spec import LAUNCH_ENV_VAR
-from tests.trainers.conftest import local_ray
-from trainers.data import ID_COLUMN, TRACE_ENV_VAR, DatasetError, inspect_dataset
-from trainers.data_order import Slice, rank_row_order
+from tests.support.jobs import make_request, make_spec
+from tests.support.order import rank_row_order
+from trainers.data import ID_COLUMN, inspect_dataset
+from trainers.data_order import Slice
 from trainers.data_stream import build_epoch_dataset
-from trainers.launch import ERROR_PREFIX, run
+from trainers.launch import run
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900)]
 
 GPT_CONFIG = {"vocab_size": 32, "d_model": 16, "n_layers": 1, "n_heads": 2, "warmup_steps": 2, "lr": 3e-3}
 BATCH_SIZE = 8
@@ -39,18 +40,11 @@ def trace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def traced_cluster(trace_dir: Path) -> Iterator[str]:
-    """A local Ray cluster whose jobs' workers trace sample ids into `trace_dir`."""
-    with local_ray(runtime_env={"env_vars": {TRACE_ENV_VAR: str(trace_dir)}}) as address:
-        yield address
-
-
-@pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """300 token rows with ids 0..299, as 3 parquet shards of 16-row row groups, with a manifest."""
     root = tmp_path_factory.mktemp("data")
-    write_token_dataset(
-        (root / "source").as_uri(), num_shards=3, rows_per_shard=100, seq_len=9, vocab_size=32
+    write_shards(
+        token_table(num_rows=300, seq_len=9, vocab_size=32), (root / "source").as_uri(), num_shards=3
     )
     shard_dataset(str(root / "source"), str(root / "shards"), num_shards=3, row_group_rows=16)
     return root / "shards"
@@ -66,36 +60,33 @@ def read_trace(trace_dir: Path, run_name: str) -> dict[int, list[tuple[int, list
 
 
 def gpt_request(
-    synthetic: Any,
     *,
     data: Path,
     storage: Path,
     run_name: str,
     max_steps: int,
+    trace_dir: Path,
     data_format: str = "parquet",
     buffer_rows: int = 32,
-) -> Any:
-    spec = synthetic.make_spec(
+) -> LaunchRequest:
+    spec = make_spec(
         trainer="gpt",
-        dataset=data,
+        dataset={"uri": data.as_uri(), "format": data_format, "shuffle_buffer_rows": buffer_rows},
         config=GPT_CONFIG,
         max_steps=max_steps,
         batch_size=BATCH_SIZE,
         checkpoint={"every_steps": 10},
     )
-    dataset = spec.dataset.model_copy(update={"format": data_format, "shuffle_buffer_rows": buffer_rows})
-    return synthetic.make_request(
-        spec.model_copy(update={"dataset": dataset}), storage=storage, run_name=run_name
-    )
+    return make_request(spec, storage=storage, run_name=run_name, data_trace_dir=str(trace_dir))
 
 
 def test_order_is_reproducible_follows_the_plan_and_resumes_exactly(
-    traced_cluster: str, synthetic: Any, tmp_path: Path, trace_dir: Path, dataset: Path
+    ray_cluster: str, tmp_path: Path, trace_dir: Path, dataset: Path
 ) -> None:
     storage = tmp_path / "storage"
     # 300 rows, 2 ranks, batches of 8: 144 rows (18 steps) per rank per epoch; 24 steps cross into epoch 1.
-    first = run(gpt_request(synthetic, data=dataset, storage=storage, run_name="a", max_steps=24))
-    second = run(gpt_request(synthetic, data=dataset, storage=storage, run_name="b", max_steps=24))
+    first = run(gpt_request(data=dataset, storage=storage, run_name="a", max_steps=24, trace_dir=trace_dir))
+    second = run(gpt_request(data=dataset, storage=storage, run_name="b", max_steps=24, trace_dir=trace_dir))
     assert first.step == second.step == 24
     a, b = read_trace(trace_dir, "a"), read_trace(trace_dir, "b")
     assert a == b
@@ -103,7 +94,7 @@ def test_order_is_reproducible_follows_the_plan_and_resumes_exactly(
     assert first.metrics["loss"] == second.metrics["loss"]
 
     # What the ranks read is exactly the pure plan: disjoint rank ranges, shuffled within windows.
-    spec = gpt_request(synthetic, data=dataset, storage=storage, run_name="x", max_steps=24).spec
+    spec = gpt_request(data=dataset, storage=storage, run_name="x", max_steps=24, trace_dir=trace_dir).spec
     units = inspect_dataset(spec).read_units()
     for rank in (0, 1):
         assert [epoch for epoch, _ in a[rank]] == [0] * 18 + [1] * 6
@@ -127,24 +118,24 @@ def test_order_is_reproducible_follows_the_plan_and_resumes_exactly(
 
     # Interrupted at step 14 (sample 112 of the epoch: inside a row group and inside the 32-row shuffle
     # window 96..127), then resumed to 24 under the same run name.
-    stopped = run(gpt_request(synthetic, data=dataset, storage=storage, run_name="c", max_steps=14))
+    stopped = run(gpt_request(data=dataset, storage=storage, run_name="c", max_steps=14, trace_dir=trace_dir))
     assert stopped.step == 14
-    resumed = run(gpt_request(synthetic, data=dataset, storage=storage, run_name="c", max_steps=24))
+    resumed = run(gpt_request(data=dataset, storage=storage, run_name="c", max_steps=24, trace_dir=trace_dir))
     assert resumed.step == 24
     assert read_trace(trace_dir, "c") == a
 
 
 def test_webdataset_shards_train_in_the_planned_order(
-    traced_cluster: str, synthetic: Any, tmp_path: Path, trace_dir: Path, dataset: Path
+    ray_cluster: str, tmp_path: Path, trace_dir: Path, dataset: Path
 ) -> None:
     shards = tmp_path / "wds"
     shard_dataset(str(dataset), str(shards), data_format="webdataset", num_shards=4)
     request = gpt_request(
-        synthetic,
         data=shards,
         storage=tmp_path / "storage",
         run_name="wds",
         max_steps=6,
+        trace_dir=trace_dir,
         data_format="webdataset",
     )
     assert run(request).step == 6
@@ -165,7 +156,7 @@ def test_webdataset_shards_train_in_the_planned_order(
 
 
 def test_a_corrupt_shard_fails_before_any_worker_starts(
-    traced_cluster: str, synthetic: Any, tmp_path: Path, dataset: Path
+    ray_cluster: str, tmp_path: Path, dataset: Path
 ) -> None:
     shards = tmp_path / "corrupt"
     shard_dataset(str(dataset), str(shards), num_shards=2)
@@ -173,7 +164,9 @@ def test_a_corrupt_shard_fails_before_any_worker_starts(
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    request = gpt_request(synthetic, data=shards, storage=tmp_path / "storage", run_name="bad", max_steps=5)
+    request = gpt_request(
+        data=shards, storage=tmp_path / "storage", run_name="bad", max_steps=5, trace_dir=tmp_path / "trace"
+    )
     prefix = f"dataset {shards.as_uri()}: shard shard-00001.parquet"
     expected = f"{prefix} fails its sha256 check against _manifest.json (corrupt)"
     with pytest.raises(DatasetError) as raised:
@@ -181,24 +174,22 @@ def test_a_corrupt_shard_fails_before_any_worker_starts(
     assert str(raised.value) == expected
 
     shard.unlink()
-    env = {**os.environ, LAUNCH_ENV_VAR: request.to_env(), "RAY_ADDRESS": traced_cluster}
+    env = {**os.environ, LAUNCH_ENV_VAR: request.to_env(), "RAY_ADDRESS": ray_cluster}
     process = subprocess.run(
         [sys.executable, "-m", "trainers.launch"], env=env, capture_output=True, text=True, timeout=120
     )
     assert process.returncode == 1, process.stderr
     assert process.stderr.rstrip("\n").splitlines()[-1] == (
-        f"{ERROR_PREFIX}{prefix} is listed in _manifest.json but missing"
+        error_line(f"{prefix} is listed in _manifest.json but missing")
     )
 
 
-def test_a_rank_stream_reads_each_read_task_as_whole_blocks(
-    traced_cluster: str, synthetic: Any, dataset: Path
-) -> None:
+def test_a_rank_stream_reads_each_read_task_as_whole_blocks(ray_cluster: str, dataset: Path) -> None:
     """Ray Data cuts each read task's output into enough blocks for ~200-way parallelism: dozens of
     rows each, every one with its own object-store and executor cost. A rank's stream, which has no
     parallel operator after the read, keeps each task's rows in as few blocks as the size cap allows.
     """
-    spec = synthetic.make_spec(trainer="gpt", dataset=dataset, config=GPT_CONFIG)
+    spec = make_spec(trainer="gpt", dataset=dataset, config=GPT_CONFIG)
     info = inspect_dataset(spec)
     source = info.shard_source(s3_endpoint_url=None, extra_columns=(ID_COLUMN,))
     slices = [Slice(unit, 0, unit.num_rows) for unit in info.read_units()]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from service.cluster import RayJobInfo, RayJobStatus
 from service.errors import ClusterUnavailable
 from service.policy import ClusterSnapshot, NodeCapacity
-from service.spec import LAUNCH_ENV_VAR, LaunchRequest
+from service.protocol import LAUNCH_ENV_VAR, LAUNCH_MODULE, LaunchRequest
 
 
 @dataclass
@@ -28,7 +28,7 @@ class FakeBackend:
         )
 
     def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
-        assert entrypoint.endswith("-m trainers.launch")
+        assert entrypoint.endswith(f"-m {LAUNCH_MODULE}")
         self.submitted.append(
             (submission_id, LaunchRequest.model_validate(json.loads(env_vars[LAUNCH_ENV_VAR])))
         )

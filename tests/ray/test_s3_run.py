@@ -9,20 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from service.datasets import write_token_dataset
-from service.spec import LaunchRequest
+from api.demo import token_table, write_shards
+from service.protocol import LaunchRequest
 from tests.conftest import S3, S3_ENV
-from tests.trainers.conftest import local_ray
+from tests.support.jobs import make_request, make_spec
+from tests.support.ray import local_ray
+from tests.support.telemetry import TelemetryServer
 from trainers.checkpoint import build_model_from_checkpoint, checkpoint_dir_name, load_checkpoint
 from trainers.launch import run
 from trainers.models import GPT
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.timeout(420)]
 
 GPT_CONFIG = {"vocab_size": 32, "d_model": 32, "n_layers": 1, "n_heads": 4, "warmup_steps": 2, "lr": 3e-3}
 
@@ -35,15 +36,14 @@ def s3_ray_cluster(s3_server: str) -> Iterator[str]:
 
 
 def test_gpt_reads_s3_checkpoints_to_s3_and_resumes_from_there(
-    s3_ray_cluster: str, s3: S3, synthetic: Any, report_server: Any, tmp_path: Path
+    s3_ray_cluster: str, s3: S3, telemetry_server: TelemetryServer, tmp_path: Path
 ) -> None:
     data_uri = f"{s3.datasets_uri}/tokens"
-    write_token_dataset(
-        data_uri, num_shards=2, rows_per_shard=64, seq_len=9, vocab_size=32, s3_endpoint_url=s3.endpoint_url
-    )
+    table = token_table(num_rows=128, seq_len=9, vocab_size=32)
+    write_shards(table, data_uri, num_shards=2, s3_endpoint_url=s3.endpoint_url)
 
     def request(max_steps: int) -> LaunchRequest:
-        spec = synthetic.make_spec(
+        spec = make_spec(
             trainer="gpt",
             dataset=data_uri,
             config=GPT_CONFIG,
@@ -51,14 +51,11 @@ def test_gpt_reads_s3_checkpoints_to_s3_and_resumes_from_there(
             batch_size=8,
             checkpoint={"every_steps": 4},
         )
-        return LaunchRequest(
-            job_id=1,
-            attempt=1,
-            spec=spec,
-            storage_uri=s3.checkpoints_uri,
+        return make_request(
+            spec,
+            storage=s3.checkpoints_uri,
             run_name="s3-run",
-            report_url=report_server.url,
-            data_cpus=1.0,
+            telemetry_url=telemetry_server.url,
             s3_endpoint_url=s3.endpoint_url,
         )
 
@@ -69,11 +66,11 @@ def test_gpt_reads_s3_checkpoints_to_s3_and_resumes_from_there(
     assert second.step == 8
     expected_uri = f"{s3.checkpoints_uri}/s3-run/{checkpoint_dir_name(8)}"
     assert second.checkpoint_uri == expected_uri
-    assert [c["uri"] for c in report_server.checkpoints()] == [
+    assert [c["uri"] for c in telemetry_server.checkpoints()] == [
         f"{s3.checkpoints_uri}/s3-run/{checkpoint_dir_name(4)}",
         expected_uri,
     ]
-    rank0_steps = sorted(p["step"] for p in report_server.points() if p["rank"] == 0)
+    rank0_steps = sorted(p["step"] for p in telemetry_server.points() if p["rank"] == 0)
     assert rank0_steps == list(range(1, 9))  # the resumed run started at step 5
 
     state = load_checkpoint(expected_uri, s3_endpoint_url=s3.endpoint_url)

@@ -1,7 +1,7 @@
 """The job's driver and the Ray Train controller import no torch (trainers.backend).
 
-Each costs about a second of CPU on the path from submission to the first step. The workers, which
-do import it, are covered by every Ray test that trains (tests/trainers/test_trainer_ray.py, e2e).
+Each import is paid on the path from submission to the first step. The workers, which do import it,
+are covered by every Ray test that trains (tests/ray, tests/e2e).
 """
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+"""What the driver learns of a dataset before any worker starts, and how rows become tensors."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,33 +10,30 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from service.errors import DatasetError
 from service.spec import MLPConfig
-from trainers.data import (
-    DatasetError,
-    DatasetInfo,
-    GPTCollate,
-    MLPCollate,
-    build_collate,
-    inspect_dataset,
-)
+from tests.support.datasets import write_classes, write_tokens
+from tests.support.jobs import make_spec
+from trainers.data import DatasetInfo, inspect_dataset
+from trainers.registry import GPTCollate, MLPCollate, builtin_trainer
 
 GPT_CONFIG = {"vocab_size": 32, "d_model": 16, "n_heads": 2}
 
 
-def test_inspect_gpt_dataset(synthetic: Any, tmp_path: Path) -> None:
-    folder = synthetic.write_token_dataset(tmp_path / "tokens", rows=100, seq_len=9, shards=3)
-    spec = synthetic.make_spec(trainer="gpt", dataset=folder, config=GPT_CONFIG)
+def test_inspect_gpt_dataset(tmp_path: Path) -> None:
+    folder = write_tokens(tmp_path / "tokens", rows=100, seq_len=9, shards=3)
+    spec = make_spec(trainer="gpt", dataset=folder, config=GPT_CONFIG)
     info = inspect_dataset(spec)
     assert info.num_rows == 100 and len(info.files) == 3
-    assert info.columns == ["tokens"]
+    assert info.columns == ["id", "tokens"]
     assert info.row_shape == {"seq_len": 9}
     assert info.read_columns == ["tokens"]
     assert DatasetInfo.from_dict(info.to_dict()) == info
 
 
-def test_inspect_mlp_dataset(synthetic: Any, tmp_path: Path) -> None:
-    folder = synthetic.write_classification_dataset(tmp_path / "cls", rows=64, num_features=6)
-    spec = synthetic.make_spec(trainer="mlp", dataset=folder, config={"num_classes": 3})
+def test_inspect_mlp_dataset(tmp_path: Path) -> None:
+    folder = write_classes(tmp_path / "cls", rows=64, num_features=6)
+    spec = make_spec(trainer="mlp", dataset=folder, config={"num_classes": 3})
     assert inspect_dataset(spec).row_shape == {"input_size": 6}
 
 
@@ -69,24 +68,24 @@ def test_inspect_mlp_dataset(synthetic: Any, tmp_path: Path) -> None:
     ],
 )
 def test_inspect_refuses_datasets_that_cannot_feed_the_trainer(
-    synthetic: Any, tmp_path: Path, table: pa.Table, trainer: str, config: dict[str, Any], message: str
+    tmp_path: Path, table: pa.Table, trainer: str, config: dict[str, Any], message: str
 ) -> None:
     pq.write_table(table, tmp_path / "part.parquet")
-    spec = synthetic.make_spec(trainer=trainer, dataset=tmp_path, config=config, num_workers=1, batch_size=1)
+    spec = make_spec(trainer=trainer, dataset=tmp_path, config=config, num_workers=1, batch_size=1)
     with pytest.raises(DatasetError, match=message):
         inspect_dataset(spec)
 
 
-def test_inspect_refuses_missing_empty_and_too_small(synthetic: Any, tmp_path: Path) -> None:
-    spec = synthetic.make_spec(trainer="gpt", dataset=tmp_path / "nowhere", config=GPT_CONFIG)
+def test_inspect_refuses_missing_empty_and_too_small(tmp_path: Path) -> None:
+    spec = make_spec(trainer="gpt", dataset=tmp_path / "nowhere", config=GPT_CONFIG)
     with pytest.raises(DatasetError, match="does not exist"):
         inspect_dataset(spec)
     (tmp_path / "empty").mkdir()
-    spec = synthetic.make_spec(trainer="gpt", dataset=tmp_path / "empty", config=GPT_CONFIG)
+    spec = make_spec(trainer="gpt", dataset=tmp_path / "empty", config=GPT_CONFIG)
     with pytest.raises(DatasetError, match=r"has no \.parquet files"):
         inspect_dataset(spec)
-    small = synthetic.write_token_dataset(tmp_path / "small", rows=20, shards=1)
-    spec = synthetic.make_spec(trainer="gpt", dataset=small, config=GPT_CONFIG, num_workers=2, batch_size=16)
+    small = write_tokens(tmp_path / "small", rows=20, shards=1)
+    spec = make_spec(trainer="gpt", dataset=small, config=GPT_CONFIG, num_workers=2, batch_size=16)
     with pytest.raises(DatasetError, match=r"has 20 rows but one step needs .* = 32"):
         inspect_dataset(spec)
 
@@ -117,8 +116,7 @@ def test_collates_name_bad_rows() -> None:
         MLPCollate(input_size=1, config=MLPConfig(num_classes=2), uri="file:///d")(labels)
 
 
-def test_build_collate_matches_the_trainer(synthetic: Any) -> None:
-    spec = synthetic.make_spec(trainer="gpt", dataset="file:///d", config=GPT_CONFIG)
-    info = DatasetInfo(uri="file:///d", files=[], columns=["tokens"], num_rows=64, row_shape={"seq_len": 5})
-    collate = build_collate(spec, info)
+def test_build_collate_matches_the_trainer() -> None:
+    spec = make_spec(trainer="gpt", dataset="file:///d", config=GPT_CONFIG)
+    collate = builtin_trainer(spec).build_collate({"seq_len": 5}, uri="file:///d")
     assert isinstance(collate, GPTCollate) and collate.seq_len == 5 and collate.vocab_size == 32

@@ -60,7 +60,7 @@ def test_closing_an_unread_stream_stops_its_thread() -> None:
 
 
 def test_the_job_driver_and_ddp_workers_do_not_import_fsdp_or_dcp() -> None:
-    """FSDP, DTensor and torch.distributed.checkpoint cost every process about a second at start:
+    """FSDP, DTensor and torch.distributed.checkpoint slow every process's start:
     they are imported when a job shards its model or writes a sharded checkpoint, not before."""
     probe = (
         "import sys, trainers.launch, trainers.loop; "

@@ -1,11 +1,13 @@
-"""Metric and checkpoint reporting from every rank to the control plane.
+"""Telemetry: every rank's metric points, and rank 0's saved checkpoints, posted to the control plane.
 
-Each rank owns one `Reporter`. The train loop calls `record()` once per step (cheap: an append under
-a lock); a background thread posts the buffered points as a `ReportBatch` JSON to `report_url`
-about once a second, or sooner when 200 points are waiting, and `close()` posts the rest. Rank 0
-also calls `report_checkpoint()` right after a checkpoint is persisted, which wakes the thread.
+Each rank owns one `Telemetry` (`service.protocol`'s telemetry channel). The train loop calls
+`record()` once per step (cheap: an append under a lock); once started, a background thread posts
+the buffered points as a `TelemetryBatch` JSON to the job's telemetry URL about once a second, or
+sooner when 200 points are waiting, and `close()` posts the rest. Rank 0 also calls
+`checkpoint_saved()` right after a checkpoint is persisted, which wakes the thread. Until `start()`
+(or `with`), nothing is posted but by an explicit `flush()`.
 
-A NaN or infinite value is left out of its point (with a warning): the JSON of a ReportBatch
+A NaN or infinite value is left out of its point (with a warning): the JSON of a TelemetryBatch
 cannot carry it, and the control plane would refuse the whole batch.
 
 The control plane being down must never stop or slow training: a failed post keeps its points for
@@ -26,38 +28,36 @@ from types import TracebackType
 
 import httpx
 
-from service.spec import CheckpointReport, MetricPoint, ReportBatch
+from service.protocol import CheckpointRecord, MetricPoint, TelemetryBatch
 
 logger = logging.getLogger(__name__)
 
-# ReportBatch refuses more points than this in one post (read from the schema so the two cannot drift).
+# TelemetryBatch refuses more points than this in one post (read from the schema so the two cannot drift).
 MAX_POINTS_PER_POST: int = next(
-    rule.max_length for rule in ReportBatch.model_fields["points"].metadata if hasattr(rule, "max_length")
+    rule.max_length for rule in TelemetryBatch.model_fields["points"].metadata if hasattr(rule, "max_length")
 )
 
 
-class Reporter:
+class Telemetry:
     def __init__(
         self,
         *,
-        report_url: str | None,
+        url: str | None,
         attempt: int,
         rank: int,
         flush_interval_s: float = 1.0,
         flush_points: int = 200,
         max_buffered_points: int = 50_000,
         timeout_s: float = 5.0,
-        background: bool = True,
     ) -> None:
-        """`background=False` posts only on explicit `flush()`/`close()` (tests, single-shot tools)."""
-        self.report_url = report_url
+        self.url = url
         self.attempt = attempt
         self.rank = rank
         self.flush_interval_s = flush_interval_s
         self.flush_points = flush_points
         self.max_buffered_points = max_buffered_points
         self._points: deque[MetricPoint] = deque()
-        self._checkpoints: deque[CheckpointReport] = deque()
+        self._checkpoints: deque[CheckpointRecord] = deque()
         self._lock = threading.Lock()  # guards the two buffers
         self._send_lock = threading.Lock()  # one flush at a time (thread vs close)
         self._wake = threading.Event()
@@ -65,11 +65,17 @@ class Reporter:
         self._failing = False
         self._non_finite_seen: set[str] = set()
         self.dropped_points = 0
-        self._client = httpx.Client(timeout=timeout_s) if report_url else None
+        self._client = httpx.Client(timeout=timeout_s) if url else None
         self._thread: threading.Thread | None = None
-        if background:
-            self._thread = threading.Thread(target=self._run, name=f"apiary-reporter-{rank}", daemon=True)
+
+    def start(self) -> Telemetry:
+        """Post in the background from now on (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"apiary-telemetry-{self.rank}", daemon=True
+            )
             self._thread.start()
+        return self
 
     # -- the training thread's side -------------------------------------------------------------------
 
@@ -87,19 +93,23 @@ class Reporter:
             self._wake.set()
 
     def _warn_non_finite(self, step: int, values: dict[str, float]) -> None:
-        # ReportBatch JSON turns NaN/inf into null, which the control plane refuses along with the
+        # TelemetryBatch JSON turns NaN/inf into null, which the control plane refuses along with the
         # whole batch; leave the value out of the point instead, and say so once per metric.
         for name, value in values.items():
             if not math.isfinite(value) and name not in self._non_finite_seen:
                 self._non_finite_seen.add(name)
                 logger.warning(
-                    "rank %d step %d: %s is %s; not reported while non-finite", self.rank, step, name, value
+                    "rank %d step %d: %s is %s; left out of telemetry while non-finite",
+                    self.rank,
+                    step,
+                    name,
+                    value,
                 )
 
-    def report_checkpoint(self, step: int, uri: str) -> None:
+    def checkpoint_saved(self, step: int, uri: str) -> None:
         logger.info("checkpoint at step %d persisted: %s", step, uri, extra={"step": step, "uri": uri})
         with self._lock:
-            self._checkpoints.append(CheckpointReport(step=step, uri=uri))
+            self._checkpoints.append(CheckpointRecord(step=step, uri=uri))
         self._wake.set()
 
     @property
@@ -122,8 +132,8 @@ class Reporter:
         if self._client is not None:
             self._client.close()
 
-    def __enter__(self) -> Reporter:
-        return self
+    def __enter__(self) -> Telemetry:
+        return self.start()
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -143,19 +153,19 @@ class Reporter:
                     checkpoint = self._checkpoints.popleft() if self._checkpoints else None
                 if not points and checkpoint is None:
                     return True
-                batch = ReportBatch(attempt=self.attempt, points=points, checkpoint=checkpoint)
+                batch = TelemetryBatch(attempt=self.attempt, points=points, checkpoint=checkpoint)
                 if not self._post(batch):
                     self._requeue(points, checkpoint)
                     return False
 
-    def _post(self, batch: ReportBatch) -> bool:
+    def _post(self, batch: TelemetryBatch) -> bool:
         """True when the batch is done with: delivered, or refused for good (and dropped)."""
-        if self._client is None or self.report_url is None:
-            logger.debug("no report_url: %d points not sent", len(batch.points))
+        if self._client is None or self.url is None:
+            logger.debug("no telemetry URL: %d points not sent", len(batch.points))
             return True
         try:
             response = self._client.post(
-                self.report_url,
+                self.url,
                 content=batch.model_dump_json(),
                 headers={"content-type": "application/json"},
             )
@@ -164,14 +174,14 @@ class Reporter:
             return False
         if response.is_success:
             if self._failing:
-                logger.info("control plane reachable again at %s", self.report_url)
+                logger.info("control plane reachable again at %s", self.url)
                 self._failing = False
             return True
         if response.status_code >= 500 or response.status_code in (408, 429):
             self._note_failure(f"HTTP {response.status_code}", batch)
             return False
         logger.warning(
-            "control plane refused a report batch (HTTP %d: %s); dropping its %d points",
+            "control plane refused a telemetry batch (HTTP %d: %s); dropping its %d points",
             response.status_code,
             response.text[:200],
             len(batch.points),
@@ -179,19 +189,19 @@ class Reporter:
         self.dropped_points += len(batch.points)
         return True
 
-    def _note_failure(self, reason: str, batch: ReportBatch) -> None:
+    def _note_failure(self, reason: str, batch: TelemetryBatch) -> None:
         # Warn once per outage, not once a second for as long as it lasts.
         level = logging.DEBUG if self._failing else logging.WARNING
         logger.log(
             level,
-            "report to %s failed (%s); keeping %d points for retry",
-            self.report_url,
+            "telemetry post to %s failed (%s); keeping %d points for retry",
+            self.url,
             reason,
             len(batch.points),
         )
         self._failing = True
 
-    def _requeue(self, points: list[MetricPoint], checkpoint: CheckpointReport | None) -> None:
+    def _requeue(self, points: list[MetricPoint], checkpoint: CheckpointRecord | None) -> None:
         with self._lock:
             self._points.extendleft(reversed(points))
             if checkpoint is not None:
@@ -210,7 +220,7 @@ class Reporter:
             or (self.dropped_points + excess) // 10_000 > self.dropped_points // 10_000
         ):
             logger.warning(
-                "report buffer full (%d points): dropped the oldest; %d dropped so far",
+                "telemetry buffer full (%d points): dropped the oldest; %d dropped so far",
                 self.max_buffered_points,
                 self.dropped_points + excess,
             )
@@ -225,5 +235,5 @@ class Reporter:
             try:
                 self.flush()
             except Exception:
-                # A reporting bug must not kill the thread silently and leave points piling up unseen.
-                logger.exception("report flush failed")
+                # A telemetry bug must not kill the thread silently and leave points piling up unseen.
+                logger.exception("telemetry flush failed")

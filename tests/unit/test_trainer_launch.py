@@ -1,3 +1,5 @@
+"""The job entrypoint (`trainers.launch`) without a cluster: failure reasons and worker-group settings."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -5,11 +7,10 @@ from typing import Any
 import pytest
 import ray.train
 
-from service.spec import LAUNCH_ENV_VAR
-from trainers.data import DatasetError
+from service.errors import DatasetError
+from service.protocol import LAUNCH_ENV_VAR, MAX_REASON_CHARS, error_line
+from tests.support.jobs import make_spec
 from trainers.launch import (
-    ERROR_PREFIX,
-    MAX_REASON_CHARS,
     TrainingFailed,
     build_scaling_config,
     failure_reason,
@@ -27,9 +28,8 @@ def test_main_without_a_request_fails_with_a_reason(
 ) -> None:
     monkeypatch.delenv(LAUNCH_ENV_VAR, raising=False)
     assert main() == 1
-    assert (
-        last_stderr_line(capsys)
-        == f"{ERROR_PREFIX}{LAUNCH_ENV_VAR} is not set: this entrypoint is started by the Apiary service"
+    assert last_stderr_line(capsys) == error_line(
+        f"{LAUNCH_ENV_VAR} is not set: this entrypoint is started by the Apiary service"
     )
 
 
@@ -39,7 +39,7 @@ def test_main_with_an_invalid_request_names_the_field(
     monkeypatch.setenv(LAUNCH_ENV_VAR, '{"job_id": 1}')
     assert main() == 1
     line = last_stderr_line(capsys)
-    assert line.startswith(f"{ERROR_PREFIX}{LAUNCH_ENV_VAR} is not a valid launch request:")
+    assert line.startswith(error_line(f"{LAUNCH_ENV_VAR} is not a valid launch request:"))
     assert "attempt" in line
 
 
@@ -65,8 +65,8 @@ def test_worker_group_errors_name_the_rank_or_the_user_mistake() -> None:
     ("num_workers", "expected"),
     [(2, 2), ({"min": 1, "max": 3}, (1, 3)), ({"min": 2, "max": 2}, 2)],
 )
-def test_scaling_config_is_fixed_or_elastic(synthetic: Any, num_workers: Any, expected: Any) -> None:
-    spec = synthetic.make_spec(
+def test_scaling_config_is_fixed_or_elastic(num_workers: Any, expected: Any) -> None:
+    spec = make_spec(
         trainer="gpt", dataset="file:///unused", config={"vocab_size": 8}, num_workers=num_workers
     )
     scaling = build_scaling_config(spec)

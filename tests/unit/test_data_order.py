@@ -9,10 +9,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from service.datasets import write_token_dataset
+from api.demo import token_table, write_shards
+from service.errors import DatasetError
 from service.sharding import shard_dataset
-from trainers.data import DatasetError, inspect_dataset, resume_position
-from trainers.data_order import Unit, rank_row_order, rank_slices, rows_per_rank, seek, window_permutation
+from tests.support.jobs import make_spec
+from tests.support.order import rank_row_order
+from trainers.data import inspect_dataset
+from trainers.data_order import Unit, rank_slices, rows_per_rank, seek, window_permutation
 from trainers.data_stream import shuffle_windows
 
 # Uneven units, like row groups of shards of different sizes: 10 units, 503 rows.
@@ -128,23 +131,18 @@ def test_windowed_stream_matches_the_order_and_resumes_exactly(position: int) ->
     assert got.tolist() == expected[position:].tolist()
 
 
-def test_resume_position_keeps_the_epoch_unless_the_world_size_changed() -> None:
-    assert resume_position(epoch=2, batches_in_epoch=5, saved_world_size=2, world_size=2) == (2, 5)
-    assert resume_position(epoch=2, batches_in_epoch=5, saved_world_size=2, world_size=4) == (3, 0)
-
-
-def test_inspect_reads_units_from_the_manifest_and_checks_shards(synthetic: Any, tmp_path: Path) -> None:
+def test_inspect_reads_units_from_the_manifest_and_checks_shards(tmp_path: Path) -> None:
     source = tmp_path / "source"
-    write_token_dataset(source.as_uri(), num_shards=2, rows_per_shard=40, seq_len=9, vocab_size=32)
+    write_shards(token_table(num_rows=80, seq_len=9, vocab_size=32), source.as_uri(), num_shards=2)
     shard_dataset(str(source), str(tmp_path / "pq"), num_shards=3, row_group_rows=10)
     shard_dataset(str(source), str(tmp_path / "wds"), data_format="webdataset", num_shards=3)
     config = {"vocab_size": 32, "d_model": 16, "n_heads": 2}
 
-    info = inspect_dataset(synthetic.make_spec(trainer="gpt", dataset=tmp_path / "pq", config=config))
+    info = inspect_dataset(make_spec(trainer="gpt", dataset=tmp_path / "pq", config=config))
     assert info.num_rows == 80 and info.format == "parquet" and info.row_shape == {"seq_len": 9}
     assert info.units[:4] == [[0, 0, 10], [0, 1, 10], [0, 2, 6], [1, 0, 10]]
-    spec = synthetic.make_spec(trainer="gpt", dataset=tmp_path / "wds", config=config)
-    spec = spec.model_copy(update={"dataset": spec.dataset.model_copy(update={"format": "webdataset"})})
+    wds_dataset = {"uri": (tmp_path / "wds").as_uri(), "format": "webdataset"}
+    spec = make_spec(trainer="gpt", dataset=wds_dataset, config=config)
     wds = inspect_dataset(spec)
     assert wds.units == [[0, -1, 26], [1, -1, 27], [2, -1, 27]] and wds.row_shape == {"seq_len": 9}
     assert wds.columns == ["id", "tokens"]
@@ -159,7 +157,7 @@ def test_inspect_reads_units_from_the_manifest_and_checks_shards(synthetic: Any,
     data[50] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(DatasetError, match=r"shard-00002\.parquet fails its sha256 check"):
-        inspect_dataset(synthetic.make_spec(trainer="gpt", dataset=tmp_path / "pq", config=config))
+        inspect_dataset(make_spec(trainer="gpt", dataset=tmp_path / "pq", config=config))
 
 
 def test_unshuffled_stream_passes_blocks_through_and_skips_exactly() -> None:

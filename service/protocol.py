@@ -1,0 +1,116 @@
+"""The protocol between the control plane and a job on the cluster: everything that crosses it.
+
+Service → job. The scheduler submits each attempt of a job as a Ray job whose entrypoint is
+`entrypoint()` (`python -m trainers.launch`, with the interpreter of Apiary's environment) and whose
+environment is `launch_env(request)`: the `LaunchRequest` as JSON in `APIARY_LAUNCH`, plus the
+settings every process of the job needs.
+
+Job → service, two channels:
+- telemetry: every rank posts `TelemetryBatch`es (its per-step metric points, and rank 0 the
+  checkpoint it just saved) to `LaunchRequest.telemetry_url` (`trainers.telemetry`);
+- the end: the Ray job's exit status, and for a failure the last line of its log that starts with
+  `ERROR_PREFIX`, which carries a one-line reason of at most `MAX_REASON_CHARS` that a user can act
+  on (`error_line` writes it, `reason_from_logs` finds it).
+
+Like `service.spec`, this module needs no SQLAlchemy, FastAPI or Ray: both sides import it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+from pydantic import Field
+
+from service.spec import JobSpec, Strict
+
+LAUNCH_ENV_VAR = "APIARY_LAUNCH"
+LAUNCH_MODULE = "trainers.launch"
+ERROR_PREFIX = "apiary-error:"
+# A reason is one line in a log and in the job's API record, not a traceback.
+MAX_REASON_CHARS = 500
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_.]*(Error|Exception)\b.*:")
+
+
+class LaunchRequest(Strict):
+    """What the service tells `python -m trainers.launch` about one attempt of a job."""
+
+    job_id: int
+    attempt: int = Field(ge=1)
+    spec: JobSpec
+    storage_uri: str = Field(description="Root for checkpoints; the run lives at {storage_uri}/{run_name}.")
+    run_name: str
+    telemetry_url: str | None = Field(description="POST target for TelemetryBatch; None = log only.")
+    data_cpus: float = Field(default=1.0, gt=0, description="CPU budget of the job's Ray Data tasks.")
+    s3_endpoint_url: str | None = None
+    data_trace_dir: str | None = Field(
+        default=None,
+        description="Debugging aid: every rank appends the sample ids of each step to "
+        "{data_trace_dir}/{run_name}/rank-{rank}.jsonl (datasets with an `id` column).",
+    )
+
+    def to_env(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_env(cls, value: str) -> LaunchRequest:
+        return cls.model_validate(json.loads(value))
+
+
+def entrypoint() -> str:
+    """The launch command, with the interpreter of Apiary's own environment (not the raylet's PATH)."""
+    return f"{sys.executable} -m {LAUNCH_MODULE}"
+
+
+def launch_env(request: LaunchRequest) -> dict[str, str]:
+    """The environment variables of a job's Ray `runtime_env` that carry the protocol."""
+    return {
+        LAUNCH_ENV_VAR: request.to_env(),
+        "PYTHONUNBUFFERED": "1",
+        # Ray Train would chdir every worker into a trial folder; dataset and storage paths are absolute.
+        "RAY_CHDIR_TO_TRIAL_DIR": "0",
+    }
+
+
+class MetricPoint(Strict):
+    step: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    time: float = Field(description="Unix time in seconds.")
+    values: dict[str, float]
+
+
+class CheckpointRecord(Strict):
+    """A checkpoint that is complete in storage: its step and its URI (file:// or s3://)."""
+
+    step: int = Field(ge=0)
+    uri: str
+
+
+class TelemetryBatch(Strict):
+    """One post from a trainer rank to the control plane."""
+
+    attempt: int = Field(ge=1)
+    points: list[MetricPoint] = Field(default_factory=list, max_length=10_000)
+    checkpoint: CheckpointRecord | None = None
+
+
+def clip_reason(reason: str) -> str:
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
+
+
+def error_line(reason: str) -> str:
+    """The last line a failing job writes to its log."""
+    return f"{ERROR_PREFIX} {clip_reason(reason)}"
+
+
+def reason_from_logs(logs: str, fallback: str) -> str:
+    """Why a job failed: its last `error_line`, else the last exception line, else Ray's message."""
+    lines = [line.strip() for line in logs.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith(ERROR_PREFIX):
+            return line.removeprefix(ERROR_PREFIX).strip()
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line):
+            return clip_reason(line)
+    return fallback or "the Ray job failed without a message"

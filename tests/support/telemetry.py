@@ -1,0 +1,58 @@
+"""A real HTTP server that stands in for the control plane's telemetry endpoint."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class TelemetryServer:
+    """A real HTTP server on 127.0.0.1 that collects TelemetryBatch posts.
+
+    The first `fail_first` posts get `fail_status` (and are not kept), like a control plane that is
+    down for a while.
+    """
+
+    def __init__(self, *, fail_first: int = 0, fail_status: int = 503) -> None:
+        self.fail_first = fail_first
+        self.fail_status = fail_status
+        self.attempts = 0
+        self.batches: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                with server.lock:
+                    server.attempts += 1
+                    failing = server.attempts <= server.fail_first
+                    if not failing:
+                        server.batches.append(json.loads(body))
+                self.send_response(server.fail_status if failing else 200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:  # keep pytest output quiet
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/telemetry"
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self.thread.start()
+
+    def points(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [point for batch in self.batches for point in batch["points"]]
+
+    def checkpoints(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [batch["checkpoint"] for batch in self.batches if batch["checkpoint"] is not None]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
