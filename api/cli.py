@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 import uvicorn
 from rich.console import Console
+from rich.table import Table
 
 from api.app import create_app
 from api.client import ApiaryClientError
@@ -28,10 +30,12 @@ console = Console(soft_wrap=True)
 
 def _settings(**overrides: Any) -> Settings:
     try:
-        return Settings(**{key: value for key, value in overrides.items() if value is not None})
-    except ValueError as err:  # pydantic's ValidationError: a bad APIARY_* variable
-        console.print(f"[red]error:[/] bad configuration: {err}")
+        settings = Settings(**{key: value for key, value in overrides.items() if value is not None})
+        settings.queues  # noqa: B018 (reads and checks APIARY_QUEUES_FILE)
+    except ValueError as err:  # pydantic's ValidationError or InvalidSpec: a bad APIARY_* variable or file
+        console.print(f"[red]error:[/] bad configuration: {one_line(err)}")
         raise typer.Exit(2) from None
+    return settings
 
 
 def _configure_logging() -> None:
@@ -117,6 +121,75 @@ def data_shard(
         f"wrote {len(manifest.shards)} {manifest.format} shards ({manifest.num_rows} rows) "
         f"and _manifest.json to {dest_uri}"
     )
+
+
+@app.command()
+def simulate(
+    trace: Annotated[Path | None, typer.Argument(help="Trace CSV to replay (see --generate).")] = None,
+    nodes: Annotated[int, typer.Option(min=1, help="Nodes of the simulated cluster.")] = 8,
+    node: Annotated[str, typer.Option(help="Resources of one node.")] = "CPU=32,GPU=8",
+    policy: Annotated[str, typer.Option(help="two-queue, fifo or greedy.")] = "two-queue",
+    queues_file: Annotated[
+        Path | None, typer.Option("--queues", help="Queue configuration (YAML/JSON) over the defaults.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+    generate: Annotated[
+        int | None, typer.Option(min=1, help="Write a generated trace of this many jobs to stdout instead.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of --generate.")] = 0,
+) -> None:
+    """Replay a job trace through a scheduling policy in simulated time (no Ray, no database), or
+    generate a trace: most jobs small and short, a few large and long, bursty daily arrivals."""
+    from service import simulate as sim
+    from service.policy import POLICIES
+    from service.queues import load
+
+    if generate is not None:
+        sim.write_trace(sim.generate(generate, seed=seed), sys.stdout)
+        return
+    if trace is None:
+        _usage_error("give a TRACE.csv to replay, or --generate N to write one")
+    if policy not in POLICIES:
+        _usage_error(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    try:
+        resources = sim.parse_node(node)
+        with trace.open() as source:
+            jobs = sim.read_trace(source)
+        queues = load(queues_file)
+    except (OSError, ValueError) as err:
+        _usage_error(one_line(err))
+    result = sim.simulate(jobs, nodes=nodes, node=resources, policy=policy, queues=queues)
+    if as_json:
+        print(json.dumps(result.to_json()))
+        return
+    table = Table(title=f"{policy}: {result.jobs} jobs on {nodes} x {node}")
+    for column in ("", "jobs", "wait p50", "p95", "p99", "mean", "max"):
+        table.add_column(column, justify="right" if column else "left")
+    for group, stats in [*result.queues.items(), *(("size " + k, v) for k, v in result.size_classes.items())]:
+        table.add_row(
+            group,
+            str(stats.jobs),
+            *(_duration(getattr(stats, key)) for key in ("p50", "p95", "p99", "mean", "max")),
+        )
+    console.print(table)
+    console.print(
+        f"utilization {result.utilization:.3f}; {result.preemptions} preemptions losing "
+        f"{result.lost_gpu_hours:.1f} GPU-hours ({result.lost_work_s / 3600:.1f} job-hours); "
+        f"{result.unfinished} job(s) could never run; makespan {_duration(result.makespan_s)}"
+    )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _usage_error(message: str) -> NoReturn:
+    console.print(f"[red]error:[/] {message}")
+    raise typer.Exit(2)
 
 
 def main() -> None:

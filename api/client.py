@@ -84,6 +84,15 @@ class ApiaryClient:
         result: dict[str, Any] = self._request("POST", f"/jobs/{job_id}/cancel")
         return result
 
+    def preempt(self, job_id: int) -> dict[str, Any]:
+        """Checkpoint a running job and put it back in its queue; it resumes from that checkpoint."""
+        result: dict[str, Any] = self._request("POST", f"/jobs/{job_id}/preempt")
+        return result
+
+    def queues(self, *, limit: int = 100) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._request("GET", "/queues", params={"limit": limit})["data"]
+        return result
+
     def events(self, job_id: int) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self._request("GET", f"/jobs/{job_id}/events")["data"]
         return result

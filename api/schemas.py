@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
+from service.jobs import QueueView
 from service.models import Job, JobEvent, Metric
+from service.queues import QueueConfig
 from service.spec import JobSpec
 from service.states import JobState
 
@@ -26,7 +28,14 @@ class JobPublic(BaseModel):
     latest_checkpoint: str | None
     latest_checkpoint_step: int | None
     message: str | None
-    waiting_reason: str | None = None
+    queue_position: int | None = Field(description="Place in its queue while queued (1 = next).")
+    waiting_reason: str | None = Field(
+        description="Why it is not running yet, from the last scheduling pass."
+    )
+    eta_at: datetime | None = Field(description="When it is expected to start (an estimate), while queued.")
+    latest_step: int | None
+    stop_requested: str | None = Field(description="preempted | user | max_runtime, while preempting.")
+    preemptions: int
     created_at: datetime
     updated_at: datetime
     admitted_at: datetime | None
@@ -34,9 +43,8 @@ class JobPublic(BaseModel):
     finished_at: datetime | None
 
     @classmethod
-    def build(cls, job: Job, *, waiting_reason: str | None = None) -> JobPublic:
-        public = cls.model_validate(job)
-        return public.model_copy(update={"waiting_reason": waiting_reason}) if waiting_reason else public
+    def build(cls, job: Job) -> JobPublic:
+        return cls.model_validate(job)
 
 
 class JobsPublic(BaseModel):
@@ -83,11 +91,56 @@ class MetricsPublic(BaseModel):
     count: int
 
 
-class TelemetryAccepted(BaseModel):
-    stored: int
-
-
 class Health(BaseModel):
     status: str
     database: str
     ray: str
+
+
+class QueuedJobPublic(BaseModel):
+    id: int
+    name: str
+    owner: str
+    priority: int
+    position: int | None
+    reason: str | None
+    eta_at: datetime | None
+
+
+class QueuePublic(BaseModel):
+    name: str
+    config: QueueConfig
+    share: dict[str, float] | None = Field(
+        description="Guaranteed resources now; null while Ray is unreachable."
+    )
+    in_use: dict[str, float]
+    borrowed: dict[str, float] = Field(description="What it uses beyond its share.")
+    counts: dict[str, int] = Field(description="Unfinished jobs by state.")
+    jobs: list[QueuedJobPublic] = Field(description="Queued jobs in order (the first `limit`).")
+
+    @classmethod
+    def build(cls, view: QueueView) -> QueuePublic:
+        return cls(
+            name=view.name,
+            config=view.config,
+            share=view.share,
+            in_use=view.in_use,
+            borrowed=view.borrowed,
+            counts=view.counts,
+            jobs=[
+                QueuedJobPublic(
+                    id=job.id,
+                    name=job.name,
+                    owner=job.owner,
+                    priority=job.priority,
+                    position=job.queue_position,
+                    reason=job.waiting_reason,
+                    eta_at=job.eta_at,
+                )
+                for job in view.line
+            ],
+        )
+
+
+class QueuesPublic(BaseModel):
+    data: list[QueuePublic]

@@ -1,9 +1,11 @@
-"""What the API asks of the domain: submit, cancel, look up, and take trainer telemetry."""
+"""What the API asks of the domain: submit, cancel, preempt, look up, see the queues, and take trainer
+telemetry."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,17 +14,33 @@ from service.cluster import ClusterBackend
 from service.db import Database
 from service.errors import ClusterUnavailable, InvalidSpec, InvalidTransition, Unschedulable
 from service.models import Job, JobEvent, Metric
-from service.policy import Gang, capacity_text, fits_empty_cluster
-from service.protocol import TelemetryBatch
+from service.policy import ClusterSnapshot, Gang, capacity_text, fits_empty_cluster
+from service.protocol import TelemetryBatch, TelemetryReply
+from service.queues import QueueConfig
 from service.settings import Settings
-from service.spec import BUILTIN_TRAINERS, JobSpec
-from service.states import JobState
+from service.spec import BUILTIN_TRAINERS, JobSpec, Queue
+from service.states import JobState, StopReason
 from service.storage import list_shards
 
 logger = logging.getLogger(__name__)
 
 
-def gang_for(job_id: int, spec: JobSpec, *, data_cpus: float) -> Gang:
+@dataclass(frozen=True, kw_only=True)
+class QueueView:
+    """One queue as GET /queues shows it."""
+
+    name: str
+    config: QueueConfig
+    share: dict[str, float] | None  # None while the cluster cannot be read
+    in_use: dict[str, float]
+    borrowed: dict[str, float]
+    counts: dict[str, int]  # state -> jobs
+    line: list[Job]  # queued jobs in order, the first `limit`
+
+
+def gang_for(
+    job_id: int, spec: JobSpec, *, data_cpus: float, owner: str = "", submitted_at: float = 0.0
+) -> Gang:
     return Gang(
         job_id=job_id,
         queue=spec.queue.value,
@@ -32,6 +50,9 @@ def gang_for(job_id: int, spec: JobSpec, *, data_cpus: float) -> Gang:
         max_workers=spec.max_workers if spec.is_elastic else None,
         per_worker=dict(spec.resources_per_worker),
         extra={"CPU": data_cpus},
+        owner=owner,
+        submitted_at=submitted_at,
+        max_runtime_s=spec.max_runtime_s,
     )
 
 
@@ -42,7 +63,11 @@ class JobService:
     settings: Settings
 
     def submit(self, spec: JobSpec, *, owner: str) -> Job:
-        """Check that the job can run, then queue it. A refused job writes nothing."""
+        """Check that the job can run, then queue it. A refused job writes nothing.
+
+        The stored spec is what runs: a job without `max_runtime_s` gets its queue's default.
+        """
+        spec = self._apply_queue(spec)
         self._check_trainer(spec)
         list_shards(
             spec.dataset.uri, data_format=spec.dataset.format, s3_endpoint_url=self.settings.s3_endpoint_url
@@ -75,14 +100,72 @@ class JobService:
                 extra={"action": "ray_stop_failed", "submission_id": submission_id},
             )
 
-    def ingest(self, job_id: int, batch: TelemetryBatch) -> int:
-        """Store a trainer rank's telemetry (its metric points, maybe a saved checkpoint)."""
+    def preempt(self, job_id: int, *, actor: str) -> Job:
+        """Tell a running job to checkpoint and stop; it goes back to the queue in its place."""
+        with self.db.session() as session:
+            job = repository.get_job(session, job_id, for_update=True)
+            if job.state is not JobState.RUNNING:
+                raise InvalidTransition(
+                    f"job {job_id} is {job.state.value}: only a running job can be preempted"
+                )
+            return repository.request_stop(
+                session, job, why=StopReason.USER, actor=actor, reason=f"preempted by {actor}"
+            )
+
+    def ingest(self, job_id: int, batch: TelemetryBatch) -> TelemetryReply:
+        """Store a trainer rank's telemetry (its metric points, maybe a saved checkpoint); the reply
+        tells the rank whether to checkpoint and stop."""
         with self.db.session() as session:
             job = repository.get_job(session, job_id)
             stored = repository.add_metrics(session, job, attempt=batch.attempt, points=batch.points)
             if batch.checkpoint is not None:
                 repository.set_checkpoint(session, job, step=batch.checkpoint.step, uri=batch.checkpoint.uri)
-            return stored
+            # Only the attempt that was told to stop: an older attempt's late post changes nothing.
+            stop = job.state is JobState.PREEMPTING and batch.attempt == job.attempt
+            return TelemetryReply(stored=stored, stop=stop)
+
+    def queues(self, *, limit: int = 100) -> list[QueueView]:
+        try:
+            cluster: ClusterSnapshot | None = self.backend.snapshot()
+        except ClusterUnavailable:
+            cluster = None
+        totals: dict[str, float] = {}
+        for node in cluster.nodes if cluster is not None else ():
+            for key, amount in node.resources.items():
+                totals[key] = totals.get(key, 0.0) + amount
+        with self.db.session() as session:
+            counts = repository.count_unfinished(session)
+            in_use: dict[str, dict[str, float]] = {queue.value: {} for queue in Queue}
+            for job in repository.active_jobs(session):
+                gang = gang_for(
+                    job.id, JobSpec.model_validate(job.spec), data_cpus=self.settings.data_cpus_per_job
+                )
+                for key, amount in gang.totals.items():
+                    in_use[job.queue][key] = in_use[job.queue].get(key, 0.0) + amount
+            views = []
+            for queue in Queue:
+                config = self.settings.queues.of(queue)
+                share = (
+                    {key: total * config.share_of(key) for key, total in totals.items()} if cluster else None
+                )
+                used = in_use[queue.value]
+                borrowed = {
+                    key: amount - (share or {}).get(key, 0.0)
+                    for key, amount in used.items()
+                    if share is not None and amount > share.get(key, 0.0) + 1e-9
+                }
+                views.append(
+                    QueueView(
+                        name=queue.value,
+                        config=config,
+                        share=share,
+                        in_use=used,
+                        borrowed=borrowed,
+                        counts={state.value: n for (name, state), n in counts.items() if name == queue.value},
+                        line=repository.waiting_line(session, queue.value, limit=limit),
+                    )
+                )
+            return views
 
     def get_job(self, job_id: int) -> Job:
         with self.db.session() as session:
@@ -111,6 +194,24 @@ class JobService:
             return repository.list_metrics(
                 session, job_id, rank=rank, min_step=min_step, max_step=max_step, limit=limit
             )
+
+    def _apply_queue(self, spec: JobSpec) -> JobSpec:
+        queue = self.settings.queues.of(spec.queue)
+        if queue.max_workers_per_job is not None and spec.max_workers > queue.max_workers_per_job:
+            raise InvalidSpec(
+                f"queue {spec.queue.value} takes jobs of at most {queue.max_workers_per_job} workers, "
+                f"this one asks for {spec.max_workers}: use fewer workers or the full-scale queue",
+                field="num_workers",
+            )
+        if spec.max_runtime_s is None and queue.default_max_runtime_s is not None:
+            spec = spec.model_copy(update={"max_runtime_s": queue.default_max_runtime_s})
+        if queue.max_runtime_s is not None and (spec.max_runtime_s or math.inf) > queue.max_runtime_s:
+            raise InvalidSpec(
+                f"queue {spec.queue.value} takes jobs of at most max_runtime_s {queue.max_runtime_s:g}: "
+                "ask for less or use the full-scale queue",
+                field="max_runtime_s",
+            )
+        return spec
 
     def _check_trainer(self, spec: JobSpec) -> None:
         if spec.trainer in BUILTIN_TRAINERS:

@@ -1,4 +1,5 @@
-"""Database tables: jobs, their event history, and their per-step metrics."""
+"""Database tables: jobs, their event history and per-step metrics; the scheduler's lease and the owners'
+fair-share usage."""
 
 from __future__ import annotations
 
@@ -75,6 +76,19 @@ class Job(Base):
     admitted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # What the scheduler last decided for a waiting job (service.policy, rule 6), so that every replica
+    # and a restarted service show it.
+    queue_position: Mapped[int | None] = mapped_column(Integer)
+    waiting_reason: Mapped[str | None] = mapped_column(Text)
+    eta_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Progress of the current attempt, from the trainers' telemetry.
+    latest_step: Mapped[int | None] = mapped_column(Integer)
+    seconds_per_step: Mapped[float | None] = mapped_column(Float)
+    last_checkpoint_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Why a job was told to checkpoint and stop (StopReason), and when: see service.states.
+    stop_requested: Mapped[str | None] = mapped_column(String(16))
+    stop_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan"
@@ -120,3 +134,23 @@ class Metric(Base):
         UniqueConstraint("job_id", "attempt", "rank", "step", name="uq_metrics_point"),
         Index("ix_metrics_job_step", "job_id", "step"),
     )
+
+
+class SchedulerLease(Base):
+    """Who schedules: one row per lease, held by one service process until `expires_at`."""
+
+    __tablename__ = "scheduler_leases"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class OwnerUsage(Base):
+    """An owner's recent use of the cluster, for fair share: dominant-share-seconds, decaying."""
+
+    __tablename__ = "owner_usage"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    usage: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -1,44 +1,96 @@
-"""Admission policy: a pure function from (cluster, queued, active, now) to decisions.
+"""The two-queue scheduling policy: a pure function from (cluster, queued, active, now) to decisions.
 
-No I/O here. The scheduler loop (service/scheduler.py) reads the database and
-the cluster, calls `decide`, and carries the decisions out; a simulator can call
-the same function on a trace.
+No I/O here. The scheduler loop (service/scheduler.py) reads the database and the cluster, calls
+`decide`, and carries the decisions out; the simulator (service/simulate.py) calls the same function
+in simulated time. `fifo` and `greedy` are the baselines the simulator compares it with.
 
 Glossary:
-- gang: a job's whole worker group (`num_workers` bundles of
-  `resources_per_worker`) plus its `extra` (Ray Data's CPUs). It is admitted all
-  at once or not at all.
-- elastic gang: a job with `num_workers: {min, max}` (Ray Train's elastic
-  training). Admission needs only its MIN gang to fit: waiting for max would
-  hold a job back that can already train. Once active it is counted at its MAX
-  (as many of its extra workers as still fit, placed after every fixed
-  part): Ray Train grows the group whenever capacity is free and never shrinks
-  it for another job, so capacity an elastic job may take is not promised to a
-  queued one. An elastic job therefore never makes an admitted job wait in Ray,
-  at the price of leaving capacity idle while the elastic job has not grown.
-- capacity: each alive node's total schedulable resources. Free capacity is
-  capacity minus the gangs of active (admitted or running) jobs, placed
-  first-fit node by node, so a gang that fits the cluster's sum but no node
-  layout is not admitted.
+- gang: a job's whole worker group (`num_workers` bundles of `per_worker`) plus its `extra` (Ray
+  Data's CPUs). It is admitted all at once or not at all.
+- elastic gang: a job with `num_workers: {min, max}`. Admission needs only its MIN gang; once active
+  it also holds what it may grow into (its extra workers, placed after every fixed part), since Ray
+  Train grows the group whenever capacity is free and never shrinks it for another job.
+- capacity: each alive node's schedulable resources. Active gangs (admitted, running or stopping)
+  are placed first-fit node by node; what is left is free. A gang that fits the cluster's sum but no
+  node layout does not fit.
+- share: a queue's guaranteed fraction of each resource of the cluster (`service.queues`). A queue
+  whose active gangs together exceed its share on some resource is borrowing.
+- head: the first job of a queue, in queue order, that cannot start now.
+- reservation: the earliest time a head's gang fits, from the active jobs' expected ends (a
+  stopping job ends within `preempt_grace_s`); what is free then beyond the head's gang is its
+  leftover.
+- lost work: the seconds a job has run since its last checkpoint (since its start without one).
 
-The policy is strict priority order (priority, then age) over one line: when
-the head of the line does not fit, everything behind it waits, so a big job is
-never starved by a stream of small ones. It reads neither the queue nor the
-time.
+Rules, in the order they apply:
+1. Order within a queue: priority (higher first), then submission time delayed by the owner's decayed
+   usage (fair share: of two jobs submitted together, the owner who used less goes first; usage is in
+   cluster-seconds, so an owner who held the whole cluster for an hour waits an hour longer), then job
+   id. A pure "least usage first" order would starve a heavy owner while lighter owners keep
+   submitting; as a delay it stays bounded.
+2. Guaranteed starts. Queue by queue (full-scale first, then research), jobs start in queue order
+   while each fits the free capacity, keeps its queue within its share and respects the
+   reservations that bind it (rule 5). The first that does not is the queue's head; the jobs behind
+   it wait for rule 5.
+3. Reclaim. A head that would be within its queue's share but does not fit, while the other queue
+   borrows, and would otherwise wait longer than its queue's `reclaim_after_s` for running jobs to
+   end, gets room by preemption: the other queue's running jobs are told to checkpoint and stop
+   (running -> preempting -> queued), least lost work first, until the head fits. Never a job that
+   has run less than its queue's `min_runtime_s`, never one of higher priority than the head, never
+   a job larger than its own queue's share (it can run only on borrowed capacity: preempting it for
+   that capacity would thrash), and only while the other queue still borrows. Jobs already stopping
+   count as free for this, so a head preempts once, not at every tick. No victim is chosen unless
+   the victims together make the head fit.
+4. Reservation. Each head reserves the earliest time its gang fits (a head that fits now but waits
+   for the other queue's reservation reserves nothing).
+5. Backfill and borrowing. Then, queue by queue again, every job not yet started, in queue order,
+   starts if it fits the free capacity now and, for every reservation that binds it, either ends
+   before it (its `max_runtime_s` runs out first) or fits in that reservation's leftover. A head's
+   reservation binds the jobs behind it in its queue and every job that would take its queue past
+   its share (borrowing never delays a head). A job within its own queue's share is bound by a head
+   of the other queue only when that head is larger than its queue's whole share: such a job can
+   only ever run on borrowed capacity, and without this the other queue's steady stream would never
+   leave it room (the other queue backfills around it instead). A job that would take its queue
+   past its share needs the queue's `may_borrow`.
+6. Every job left waiting gets its position in its queue (1 = next), a reason a person understands,
+   and an ETA: its reservation for a head; for the others an estimate from a walk through the
+   active jobs' expected ends in queue order (capacity summed over nodes; None when nothing known
+   ends, or beyond the first `ETA_HORIZON` jobs of a queue).
+
+`Rules` switches off the protections of rules 3 and 4 one by one (all on in production); the
+simulator's benchmark shows what each is worth.
+
+Invariants: decisions never over-commit a node (admissions are placed on the free capacity left by
+active gangs and by earlier admissions of the same call); a job is admitted at most once; the same
+inputs give the same decisions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import NamedTuple
+
+from service.queues import DEFAULT_QUEUES, QueuesConfig
 
 EPSILON = 1e-9
+QUEUE_ORDER = ("full-scale", "research")
+# ETAs are estimated for this many waiting jobs of each queue; the rest get None.
+ETA_HORIZON = 200
+
+Resources = Mapping[str, float]
+# Every gang shape seen by this process, numbered (Gang.shape): cheap keys for the policy's memos.
+_SHAPES: dict[tuple[object, ...], int] = {}
 
 
 @dataclass(frozen=True, kw_only=True)
 class NodeCapacity:
     node_id: str
-    resources: Mapping[str, float]
+    resources: Resources
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,35 +100,99 @@ class ClusterSnapshot:
 
 @dataclass(frozen=True, kw_only=True)
 class Gang:
+    """A job as the policy sees it. The fields after `max_runtime_s` describe an active job."""
+
     job_id: int
     queue: str
     priority: int
     num_workers: int  # the workers admission needs: a fixed group's size, an elastic group's min
-    per_worker: Mapping[str, float]
-    extra: Mapping[str, float] = field(default_factory=dict)
+    per_worker: Resources
+    extra: Resources = field(default_factory=dict)
     max_workers: int | None = None  # an elastic group's max; None = fixed at num_workers
+    owner: str = ""
+    submitted_at: float = 0.0
+    max_runtime_s: float | None = None
+    started_at: float | None = None  # None: not started (queued, or admitted and not running yet)
+    last_checkpoint_at: float | None = None
+    expected_end_at: float | None = None  # when it will release its resources; None = unknown
+    stopping: bool = False  # told to checkpoint and stop
 
-    def bundles(self) -> list[Mapping[str, float]]:
+    def bundles(self) -> list[Resources]:
         """What admission must place: `num_workers` workers and the extra."""
         bundles = [self.per_worker] * self.num_workers
         return [*bundles, self.extra] if any(self.extra.values()) else bundles
 
-    def growth(self) -> list[Mapping[str, float]]:
+    def growth(self) -> list[Resources]:
         """The workers an elastic gang may add beyond `num_workers` (none for a fixed gang)."""
         return [self.per_worker] * max(0, (self.max_workers or 0) - self.num_workers)
 
+    @cached_property
+    def totals(self) -> dict[str, float]:
+        """What the gang holds at once (read-only: shared by every caller)."""
+        return _sum(self.bundles())
+
     def total(self) -> dict[str, float]:
-        total: dict[str, float] = {}
-        for bundle in self.bundles():
-            for key, amount in bundle.items():
-                total[key] = total.get(key, 0.0) + amount
-        return total
+        return dict(self.totals)
+
+    @cached_property
+    def shape(self) -> int:
+        """Gangs of one shape fit or not alike: a small number per distinct (workers, sizes)."""
+        key = (tuple(sorted(self.per_worker.items())), self.num_workers, tuple(sorted(self.extra.items())))
+        return _SHAPES.setdefault(key, len(_SHAPES))
+
+    def lost_work_s(self, now: float) -> float:
+        since = self.last_checkpoint_at if self.last_checkpoint_at is not None else self.started_at
+        return max(0.0, now - since) if since is not None else 0.0
+
+
+class Wait(NamedTuple):
+    position: int  # in its queue, 1 = next
+    reason: str
+    eta: float | None  # unix seconds
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preemption:
+    job_id: int
+    for_job: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reservation:
+    job_id: int
+    at: float | None  # None: no active job is known to end (or the gang does not fit the cluster)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Decisions:
-    admit: tuple[int, ...]
-    waiting: Mapping[int, str]  # job id -> why it waits
+    admit: tuple[int, ...] = ()
+    preempt: tuple[Preemption, ...] = ()
+    reserve: tuple[Reservation, ...] = ()
+    waiting: Mapping[int, Wait] = field(default_factory=dict)
+
+
+Policy = Callable[..., Decisions]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rules:
+    """The protections, each of which can be switched off to measure what it is worth."""
+
+    # Rule 3: a job larger than its own queue's share is never a victim.
+    protect_larger_than_share: bool = True
+    # Rule 3: victims must have run `min_runtime_s` and go least lost work first (else youngest first).
+    respect_runtime_and_checkpoints: bool = True
+    # Rule 4: heads reserve; without it, jobs behind a head start whenever they fit (greedy backfill).
+    reservations: bool = True
+
+
+RULES = Rules()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two-queue policy
+# ---------------------------------------------------------------------------------------------------
 
 
 def decide(
@@ -85,36 +201,523 @@ def decide(
     queued: Sequence[Gang],
     active: Sequence[Gang],
     now: float,
+    queues: QueuesConfig = DEFAULT_QUEUES,
+    usage: Mapping[str, float] | None = None,
+    rules: Rules = RULES,
+    explain: bool = True,
 ) -> Decisions:
-    """Admit queued gangs, in the given order, while each fits the free capacity."""
-    del now  # the order does not depend on time; the loop and a simulator pass it all the same
+    """The module docstring's rules. `usage` is each owner's decayed usage (fair share); without
+    `explain`, rule 6 is skipped (`waiting` stays empty: the simulator needs no reasons)."""
+    state = _State.build(cluster, active, now=now, queues=queues, rules=rules)
+    configs = {queue: queues.of(queue) for queue in QUEUE_ORDER}
+    delay = (usage or {}).get
+    lines: dict[str, list[Gang]] = {queue: [] for queue in QUEUE_ORDER}
+    for gang in queued:
+        lines[gang.queue].append(gang)
+    for line in lines.values():
+        line.sort(key=lambda gang: (-gang.priority, gang.submitted_at + delay(gang.owner, 0.0), gang.job_id))
+    admitted: list[int] = []
+    started: set[int] = set()
+    notes: dict[int, str] = {}
+    awaiting_room: set[int] = set()  # heads whose room is being made by preemption
+    preemptions: list[Preemption] = []
+    reservations: list[_Reserved] = []
+
+    def start(gang: Gang, binding: Sequence[_Reserved]) -> None:
+        nonlocal reservations
+        for reserved in binding:
+            if not _ends_before(gang, reserved.at, now=now):
+                reserved.take(gang)
+        reservations = [reserved for reserved in reservations if reserved.gang.job_id != gang.job_id]
+        state.admit(gang, now=now)
+        admitted.append(gang.job_id)
+        started.add(gang.job_id)
+        notes.pop(gang.job_id, None)
+
+    # 2-4. Queue by queue (full-scale first): guaranteed starts until the head, which reclaims its
+    # share and reserves; the next queue's starts respect that reservation.
+    for queue, line in lines.items():
+        for gang in line:
+            within = state.within_share(gang)
+            binding = _binding(gang, within_share=within, reservations=reservations)
+            blocking = _blocking(gang, binding, now=now)
+            if within and blocking is None and state.fits(gang):
+                start(gang, binding)
+                continue
+            # A head that fits now but waits for another queue's reservation reserves nothing itself.
+            reserved = None if blocking is not None and state.fits(gang) else state.reserve(gang, now=now)
+            natural_wait_s = (
+                reserved.at - now if reserved is not None and reserved.at is not None else math.inf
+            )
+            if within and natural_wait_s > configs[queue].reclaim_after_s:
+                victims, note = state.reclaim_for(gang, now=now)
+                preemptions += victims
+                if note:
+                    notes[gang.job_id] = note
+                if victims or note.startswith("waiting for"):
+                    awaiting_room.add(gang.job_id)
+            if rules.reservations and reserved is not None:
+                reserved.oversize = state.larger_than_share(gang)
+                reservations.append(reserved)
+            break
+
+    # 5. Backfill and borrowing, behind the heads.
+    for queue, line in lines.items():
+        for gang in line:
+            if gang.job_id in started or gang.job_id in awaiting_room or not state.fits(gang):
+                continue
+            within = state.within_share(gang)
+            if not within and not configs[queue].may_borrow:
+                notes[gang.job_id] = state.at_share_text(gang)
+                continue
+            binding = _binding(gang, within_share=within, reservations=reservations)
+            blocking = _blocking(gang, binding, now=now)
+            if blocking is not None:
+                notes[gang.job_id] = (
+                    f"would run past job {blocking.gang.job_id}'s reservation at {_clock(blocking.at)} "
+                    f"(a max_runtime_s that ends before it lets it start now)"
+                )
+                continue
+            start(gang, binding)
+
+    waiting = (
+        _explain(lines, started=started, notes=notes, reservations=reservations, state=state, now=now)
+        if explain
+        else {}
+    )
+    return Decisions(
+        admit=tuple(admitted),
+        preempt=tuple(preemptions),
+        reserve=tuple(Reservation(job_id=r.gang.job_id, at=r.at) for r in reservations),
+        waiting=waiting,
+    )
+
+
+@dataclass
+class _Reserved:
+    gang: Gang
+    at: float | None
+    leftover: list[dict[str, float]] | None  # free per node at `at` beyond the head's gang
+    oversize: bool = False  # the head is larger than its queue's share: it binds the other queue too
+
+    def take(self, gang: Gang) -> None:
+        assert self.leftover is not None  # _blocking checked that it fits
+        _place(self.leftover, gang.bundles(), allow_partial=False)
+
+
+def _ends_before(gang: Gang, at: float | None, *, now: float) -> bool:
+    return at is not None and gang.max_runtime_s is not None and now + gang.max_runtime_s <= at + EPSILON
+
+
+def _binding(gang: Gang, *, within_share: bool, reservations: Sequence[_Reserved]) -> list[_Reserved]:
+    """The reservations that `gang` must respect (rule 5)."""
+    return [
+        reserved
+        for reserved in reservations
+        if reserved.gang.job_id != gang.job_id
+        and (reserved.gang.queue == gang.queue or not within_share or reserved.oversize)
+    ]
+
+
+def _blocking(gang: Gang, reservations: Sequence[_Reserved], *, now: float) -> _Reserved | None:
+    """The first reservation that `gang`, started now, would eat into; None if it may start."""
+    for reserved in reservations:
+        if _ends_before(gang, reserved.at, now=now):
+            continue
+        if reserved.leftover is None or not _can_place(reserved.leftover, gang.bundles()):
+            return reserved
+    return None
+
+
+@dataclass
+class _Active:
+    gang: Gang
+    placed: list[tuple[int, Resources]]  # (node index, bundle)
+    end_at: float | None
+
+
+@dataclass
+class _State:
+    """The cluster as the policy fills it: free capacity per node, and each queue's usage."""
+
+    free: list[dict[str, float]]
+    free_total: dict[str, float]
+    totals: dict[str, float]
+    shares: dict[str, dict[str, float]]
+    active: list[_Active]
+    used: dict[str, dict[str, float]]
+    queues: QueuesConfig
+    rules: Rules = RULES
+    failed_shapes: set[int] = field(default_factory=set)
+    # (queue, shape) -> within the queue's share; a queue's entries go when its usage changes.
+    within: dict[tuple[str, int], bool] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        cluster: ClusterSnapshot,
+        active: Sequence[Gang],
+        *,
+        now: float,
+        queues: QueuesConfig,
+        rules: Rules = RULES,
+    ) -> _State:
+        free = [dict(node.resources) for node in cluster.nodes]
+        totals = _sum(free)
+        shares = {
+            queue: {key: total * queues.of(queue).share_of(key) for key, total in totals.items()}
+            for queue in QUEUE_ORDER
+        }
+        state = cls(
+            free=free,
+            free_total={},
+            totals=totals,
+            shares=shares,
+            active=[],
+            used={queue: {} for queue in QUEUE_ORDER},
+            queues=queues,
+            rules=rules,
+        )
+        hints: dict[tuple[tuple[str, float], ...], int] = {}
+        for gang in active:
+            # Active gangs were admitted when they fitted; place them as Ray would have (best effort).
+            placed = _place(state.free, gang.bundles(), allow_partial=True, hints=hints)
+            end_at = gang.expected_end_at
+            if gang.stopping:
+                end_at = (
+                    min(end_at, now + queues.preempt_grace_s)
+                    if end_at is not None
+                    else now + queues.preempt_grace_s
+                )
+            state.active.append(_Active(gang=gang, placed=placed, end_at=end_at))
+            _add(state.used.setdefault(gang.queue, {}), gang.totals)
+        for entry in state.active:
+            # What elastic gangs may grow into is not free for queued gangs (glossary: elastic gang).
+            entry.placed += _place(state.free, entry.gang.growth(), allow_partial=True, hints=hints)
+        state.free_total = _sum(state.free)
+        return state
+
+    # -- capacity ----------------------------------------------------------------------------------
+
+    def fits(self, gang: Gang) -> bool:
+        if gang.shape in self.failed_shapes:
+            return False
+        if not _covers(self.free_total, gang.totals) or not _can_place(self.free, gang.bundles()):
+            # Free capacity only shrinks within one call: this shape will not fit again.
+            self.failed_shapes.add(gang.shape)
+            return False
+        return True
+
+    def admit(self, gang: Gang, *, now: float) -> None:
+        placed = _place(self.free, gang.bundles(), allow_partial=False)
+        end_at = now + gang.max_runtime_s if gang.max_runtime_s is not None else None
+        self.active.append(_Active(gang=replace(gang, started_at=now), placed=placed, end_at=end_at))
+        _add(self.used.setdefault(gang.queue, {}), gang.totals)
+        _subtract(self.free_total, gang.totals)
+        self.within = {key: value for key, value in self.within.items() if key[0] != gang.queue}
+
+    # -- shares ------------------------------------------------------------------------------------
+
+    def share(self, queue: str) -> dict[str, float]:
+        return self.shares.get(queue, {})
+
+    def within_share(self, gang: Gang) -> bool:
+        cached = self.within.get((gang.queue, gang.shape))
+        if cached is not None:
+            return cached
+        share, used = self.share(gang.queue), self.used.get(gang.queue, {})
+        result = all(
+            used.get(key, 0.0) + amount <= share.get(key, 0.0) + EPSILON
+            for key, amount in gang.totals.items()
+            if amount > 0
+        )
+        self.within[(gang.queue, gang.shape)] = result
+        return result
+
+    def borrowing(self, queue: str) -> bool:
+        share, used = self.share(queue), self.used.get(queue, {})
+        return any(amount > share.get(key, 0.0) + EPSILON for key, amount in used.items())
+
+    def larger_than_share(self, gang: Gang) -> bool:
+        share = self.share(gang.queue)
+        return any(
+            amount > share.get(key, 0.0) + EPSILON for key, amount in gang.totals.items() if amount > 0
+        )
+
+    def at_share_text(self, gang: Gang) -> str:
+        share, used = self.share(gang.queue), self.used.get(gang.queue, {})
+        return (
+            f"queue {gang.queue} uses {_fmt(used)} of its share {_fmt(share)}; this job needs "
+            f"{_fmt(gang.total())} more and the queue may not borrow"
+        )
+
+    # -- 3. reclaim --------------------------------------------------------------------------------
+
+    def reclaim_for(self, head: Gang, *, now: float) -> tuple[list[Preemption], str]:
+        """Preemptions that make `head` fit (rule 3), and a note for its waiting reason."""
+        other = next(queue for queue in QUEUE_ORDER if queue != head.queue)
+        if self.fits(head) or not self.borrowing(other):
+            return [], ""
+        room = _Room(self.free, self.free_total, head)
+        stopping = [entry for entry in self.active if entry.gang.stopping]
+        for entry in stopping:
+            room.release(entry.placed)
+        if stopping and room.fits():
+            ids = ", ".join(str(entry.gang.job_id) for entry in stopping)
+            return [], f"waiting for job(s) {ids} to checkpoint and stop (preempted to make room)"
+        careful = self.rules.respect_runtime_and_checkpoints
+        min_runtime_s = self.queues.of(other).min_runtime_s if careful else 0.0
+        candidates = sorted(
+            (
+                entry
+                for entry in self.active
+                if entry.gang.queue == other
+                and not entry.gang.stopping
+                and entry.gang.started_at is not None
+                and now - entry.gang.started_at >= min_runtime_s
+                and entry.gang.priority <= head.priority
+                and not (self.rules.protect_larger_than_share and self.larger_than_share(entry.gang))
+            ),
+            key=lambda entry: (
+                entry.gang.lost_work_s(now) if careful else 0.0,
+                -(entry.gang.started_at or 0.0),
+                entry.gang.job_id,
+            ),
+        )
+        used = dict(self.used.get(other, {}))
+        share = self.share(other)
+        chosen: list[_Active] = []
+        for entry in candidates:
+            if not any(used.get(key, 0.0) > share.get(key, 0.0) + EPSILON for key in used):
+                break  # the other queue is back within its share: what it holds now is its own
+            chosen.append(entry)
+            room.release(entry.placed)
+            _subtract(used, entry.gang.totals)
+            if room.fits():
+                reason = f"preempted for job {head.job_id}: queue {head.queue} takes back its share"
+                victims = [
+                    Preemption(job_id=e.gang.job_id, for_job=head.job_id, reason=reason) for e in chosen
+                ]
+                ids = ", ".join(str(e.gang.job_id) for e in chosen)
+                return victims, f"preempting job(s) {ids} to make room; it starts when they have stopped"
+        return [], self._unreclaimable_text(head, other, now=now)
+
+    def _unreclaimable_text(self, head: Gang, other: str, *, now: float) -> str:
+        protected = [
+            entry.gang.job_id
+            for entry in self.active
+            if entry.gang.queue == other
+            and entry.gang.started_at is not None
+            and self.larger_than_share(entry.gang)
+        ]
+        young = [
+            entry.gang.job_id
+            for entry in self.active
+            if entry.gang.queue == other
+            and (
+                entry.gang.started_at is None
+                or now - entry.gang.started_at < self.queues.of(other).min_runtime_s
+            )
+        ]
+        parts = [f"queue {other} borrows capacity of queue {head.queue}, but preempting cannot make room now"]
+        if protected:
+            parts.append(
+                f"job(s) {_ids(protected)} are larger than their queue's share and are not preempted"
+            )
+        if young:
+            parts.append(f"job(s) {_ids(young)} have not run their minimum runtime")
+        return "; ".join(parts)
+
+    # -- 4. reservations ---------------------------------------------------------------------------
+
+    def reserve(self, head: Gang, *, now: float) -> _Reserved:
+        """The earliest time `head` fits, walking through the active jobs' expected ends."""
+        room = _Room(self.free, self.free_total, head)
+        at: float | None = now if room.fits() else None
+        if at is None:
+            for entry in sorted(
+                (entry for entry in self.active if entry.end_at is not None), key=lambda e: e.end_at or 0.0
+            ):
+                room.release(entry.placed)
+                if room.fits():
+                    at = max(now, entry.end_at or now)
+                    break
+        if at is None:
+            return _Reserved(gang=head, at=None, leftover=None)
+        _place(room.free, head.bundles(), allow_partial=False)
+        return _Reserved(gang=head, at=at, leftover=room.free)
+
+
+class _Room:
+    """A copy of the free capacity, to ask whether one gang fits as capacity is released.
+
+    It keeps the capacity summed over nodes and how many of the gang's workers each node could take,
+    so that most "does it fit yet?" questions are answered without trying a placement.
+    """
+
+    def __init__(self, free: Sequence[Resources], free_total: Resources, gang: Gang) -> None:
+        self.free = [dict(node) for node in free]
+        self.total = dict(free_total)
+        self.gang = gang
+        self.bundles = gang.bundles()
+        self.slots = [_slots(node, gang.per_worker) for node in self.free]
+        self.total_slots = sum(self.slots)
+
+    def release(self, placed: Sequence[tuple[int, Resources]]) -> None:
+        _release(self.free, placed)
+        for _, bundle in placed:
+            _add(self.total, bundle)
+        for index in {index for index, _ in placed}:
+            self.total_slots -= self.slots[index]
+            self.slots[index] = _slots(self.free[index], self.gang.per_worker)
+            self.total_slots += self.slots[index]
+
+    def fits(self) -> bool:
+        return (
+            self.total_slots >= self.gang.num_workers
+            and _covers(self.total, self.gang.totals)
+            and _can_place(self.free, self.bundles)
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. Positions, reasons and ETAs
+# ---------------------------------------------------------------------------------------------------
+
+
+def _explain(
+    lines: Mapping[str, Sequence[Gang]],
+    *,
+    started: set[int],
+    notes: Mapping[int, str],
+    reservations: Sequence[_Reserved],
+    state: _State,
+    now: float,
+) -> dict[int, Wait]:
+    """Position, reason and ETA of every job left waiting (rule 6)."""
+    reserved_at = {reserved.gang.job_id: reserved.at for reserved in reservations}
+    etas = _estimate_etas(lines, started=started, state=state, now=now)
+    free_text = _fmt(state.free_total)
+    waiting: dict[int, Wait] = {}
+    for queue, line in lines.items():
+        waiting_line = [gang for gang in line if gang.job_id not in started]
+        if not waiting_line:
+            continue
+        # The first job still waiting is the queue's head now (the rule-2 head may have started).
+        head = waiting_line[0]
+        at = reserved_at[head.job_id] if head.job_id in reserved_at else state.reserve(head, now=now).at
+        reason = f"needs {_gang_text(head)}; free now {free_text}; " + (
+            f"reserved from {_clock(at)}" if at is not None else "no running job is known to end"
+        )
+        behind = f"waiting behind job {head.job_id} (head of queue {queue})"
+        eta = etas.get
+        waiting.update(
+            (gang.job_id, Wait(position, behind, eta(gang.job_id)))
+            for position, gang in enumerate(waiting_line[1:], start=2)
+        )
+        waiting[head.job_id] = Wait(1, reason, at)
+    for job_id, note in notes.items():
+        if job_id in waiting:
+            position, reason, at = waiting[job_id]
+            waiting[job_id] = Wait(position, f"{reason}; {note}", at)
+    return waiting
+
+
+def _estimate_etas(
+    lines: Mapping[str, Sequence[Gang]], *, started: set[int], state: _State, now: float
+) -> dict[int, float | None]:
+    """Start times in queue order against capacity summed over nodes, releasing as jobs end."""
+    free = _sum(state.free)
+    ends: list[tuple[float, int, dict[str, float]]] = [
+        (entry.end_at, index, entry.gang.total())
+        for index, entry in enumerate(state.active)
+        if entry.end_at is not None
+    ]
+    heapq.heapify(ends)
+    counter = itertools.count(len(ends))
+    etas: dict[int, float | None] = {}
+    clock = now
+    waiting = [[gang for gang in line if gang.job_id not in started][:ETA_HORIZON] for line in lines.values()]
+    for gang in itertools.chain.from_iterable(waiting):
+        need = gang.total()
+        while not _covers(free, need) and ends:
+            at, _, releases = heapq.heappop(ends)
+            clock = max(clock, at)
+            _add(free, releases)
+        if not _covers(free, need):
+            etas[gang.job_id] = None
+            continue
+        etas[gang.job_id] = clock
+        _subtract(free, need)
+        if gang.max_runtime_s is not None:
+            heapq.heappush(ends, (clock + gang.max_runtime_s, next(counter), need))
+    return etas
+
+
+# ---------------------------------------------------------------------------------------------------
+# Baselines for the simulator: one line in submission order
+# ---------------------------------------------------------------------------------------------------
+
+
+def decide_fifo(
+    *, cluster: ClusterSnapshot, queued: Sequence[Gang], active: Sequence[Gang], now: float, **_: object
+) -> Decisions:
+    """One line in submission order; the head blocks everything behind it."""
+    return _one_line(cluster, queued, active, strict=True)
+
+
+def decide_greedy(
+    *, cluster: ClusterSnapshot, queued: Sequence[Gang], active: Sequence[Gang], now: float, **_: object
+) -> Decisions:
+    """One line in submission order; any job that fits starts (first-fit)."""
+    return _one_line(cluster, queued, active, strict=False)
+
+
+def _one_line(
+    cluster: ClusterSnapshot, queued: Sequence[Gang], active: Sequence[Gang], *, strict: bool
+) -> Decisions:
     free = [dict(node.resources) for node in cluster.nodes]
     for gang in active:
-        # Active gangs were admitted when they fitted; place them as Ray would have (best effort).
         _place(free, gang.bundles(), allow_partial=True)
-    for gang in active:
-        # What elastic gangs may grow into is not free for queued gangs (glossary: elastic gang).
-        _place(free, gang.growth(), allow_partial=True)
+    free_total = _sum(free)
     admitted: list[int] = []
-    waiting: dict[int, str] = {}
-    blocked_by: Gang | None = None
-    for position, gang in enumerate(queued):
-        if blocked_by is not None:
-            waiting[gang.job_id] = (
-                f"waiting behind job {blocked_by.job_id} (higher priority or older); {position} job(s) ahead"
-            )
-            continue
-        if _place(free, gang.bundles(), allow_partial=False):
+    waiting: dict[int, Wait] = {}
+    failed: set[int] = set()
+    blocked = False
+    for gang in sorted(queued, key=lambda gang: (gang.submitted_at, gang.job_id)):
+        fits = not blocked and gang.shape not in failed and _covers(free_total, gang.totals)
+        if fits and _place(free, gang.bundles(), allow_partial=False):
+            _subtract(free_total, gang.totals)
             admitted.append(gang.job_id)
             continue
-        blocked_by = gang
-        waiting[gang.job_id] = f"needs {_fmt(gang.total())}; free now {_fmt(_sum(free))}"
+        failed.add(gang.shape)
+        blocked = strict
+        waiting[gang.job_id] = Wait(position=len(waiting) + 1, reason="does not fit now", eta=None)
     return Decisions(admit=tuple(admitted), waiting=waiting)
+
+
+POLICIES: dict[str, Policy] = {"two-queue": decide, "fifo": decide_fifo, "greedy": decide_greedy}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Capacity helpers
+# ---------------------------------------------------------------------------------------------------
+
+
+def decayed_usage(usage: float, *, rate: float, elapsed_s: float, half_life_s: float) -> float:
+    """An owner's fair-share usage `elapsed_s` later: what it had halves every `half_life_s`, and it
+    adds its rate (the dominant share of the cluster it holds, `dominant_share`) times the time."""
+    return usage * math.pow(0.5, elapsed_s / half_life_s) + rate * elapsed_s
+
+
+def dominant_share(gang: Gang, totals: Resources) -> float:
+    """The largest fraction of any one resource of the cluster that the gang holds."""
+    return max((amount / totals[key] for key, amount in gang.totals.items() if totals.get(key)), default=0.0)
 
 
 def fits_empty_cluster(cluster: ClusterSnapshot, gang: Gang) -> bool:
     """Could this gang ever run here, with nothing else running?"""
-    return _place([dict(node.resources) for node in cluster.nodes], gang.bundles(), allow_partial=False)
+    return _can_place([dict(node.resources) for node in cluster.nodes], gang.bundles())
 
 
 def capacity_text(cluster: ClusterSnapshot) -> str:
@@ -122,37 +725,99 @@ def capacity_text(cluster: ClusterSnapshot) -> str:
 
 
 def _place(
-    free: list[dict[str, float]], bundles: Sequence[Mapping[str, float]], *, allow_partial: bool
-) -> bool:
-    """First-fit every bundle; on failure undo (unless partial placement is allowed)."""
-    taken: list[tuple[int, Mapping[str, float]]] = []
+    free: list[dict[str, float]],
+    bundles: Iterable[Resources],
+    *,
+    allow_partial: bool,
+    hints: dict[tuple[tuple[str, float], ...], int] | None = None,
+) -> list[tuple[int, Resources]]:
+    """First-fit every bundle onto `free` (which shrinks); returns where each went.
+
+    Without `allow_partial`, a gang that does not fit whole leaves `free` as it was and returns [].
+    `hints` remembers, per bundle shape, the first node that took one: no node before it can take
+    another while `free` only shrinks (pass the same dict only across such placements).
+    """
+    taken: list[tuple[int, Resources]] = []
+    first: dict[int, int] = {}  # id of a bundle object -> where the last of its copies went
     for bundle in bundles:
-        node_index = next((i for i, node in enumerate(free) if _fits(node, bundle)), None)
+        shape = tuple(bundle.items()) if hints is not None else ()
+        start = max(first.get(id(bundle), 0), hints.get(shape, 0) if hints is not None else 0)
+        node_index = next((i for i in range(start, len(free)) if _fits(free[i], bundle)), None)
         if node_index is None:
             if allow_partial:
                 continue
-            for index, undo in taken:
-                for key, amount in undo.items():
-                    free[index][key] += amount
-            return False
+            _release(free, taken)
+            return []
         for key, amount in bundle.items():
             free[node_index][key] = free[node_index].get(key, 0.0) - amount
         taken.append((node_index, bundle))
+        first[id(bundle)] = node_index
+        if hints is not None:
+            hints[shape] = node_index
+    return taken
+
+
+def _can_place(free: list[dict[str, float]], bundles: Sequence[Resources]) -> bool:
+    placed = _place(free, bundles, allow_partial=False)
+    _release(free, placed)
+    return bool(placed) or not bundles
+
+
+def _release(free: list[dict[str, float]], placed: Iterable[tuple[int, Resources]]) -> None:
+    for index, bundle in placed:
+        for key, amount in bundle.items():
+            free[index][key] = free[index].get(key, 0.0) + amount
+
+
+def _fits(node: Resources, bundle: Resources) -> bool:
+    for key, amount in bundle.items():  # a loop, not all(): the policy's hottest line  # noqa: SIM110
+        if amount > 0 and node.get(key, 0.0) + EPSILON < amount:
+            return False
     return True
 
 
-def _fits(node: Mapping[str, float], bundle: Mapping[str, float]) -> bool:
-    return all(node.get(key, 0.0) + EPSILON >= amount for key, amount in bundle.items() if amount > 0)
+def _slots(node: Resources, bundle: Resources) -> int:
+    """How many copies of `bundle` fit on `node`."""
+    counts = [int((node.get(key, 0.0) + EPSILON) // amount) for key, amount in bundle.items() if amount > 0]
+    return min(counts) if counts else 0
 
 
-def _sum(nodes: Sequence[Mapping[str, float]]) -> dict[str, float]:
+def _covers(have: Resources, need: Resources) -> bool:
+    return _fits(have, need)
+
+
+def _sum(nodes: Iterable[Resources]) -> dict[str, float]:
     total: dict[str, float] = {}
     for node in nodes:
-        for key, amount in node.items():
-            total[key] = total.get(key, 0.0) + amount
+        _add(total, node)
     return total
 
 
-def _fmt(resources: Mapping[str, float]) -> str:
+def _add(into: dict[str, float], amounts: Resources) -> None:
+    for key, amount in amounts.items():
+        into[key] = into.get(key, 0.0) + amount
+
+
+def _subtract(into: dict[str, float], amounts: Resources) -> None:
+    for key, amount in amounts.items():
+        into[key] = into.get(key, 0.0) - amount
+
+
+def _fmt(resources: Resources) -> str:
     parts = [f"{amount:g} {key}" for key, amount in sorted(resources.items()) if abs(amount) > EPSILON]
     return ", ".join(parts) or "nothing"
+
+
+def _gang_text(gang: Gang) -> str:
+    text = f"{gang.num_workers} worker(s) x {_fmt(gang.per_worker)}"
+    return f"{text} + {_fmt(gang.extra)}" if any(gang.extra.values()) else text
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return ", ".join(str(job_id) for job_id in ids)
+
+
+def _clock(at: float | None) -> str:
+    if at is None:
+        return "an unknown time"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))

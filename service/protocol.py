@@ -7,7 +7,9 @@ settings every process of the job needs.
 
 Job → service, two channels:
 - telemetry: every rank posts `TelemetryBatch`es (its per-step metric points, and rank 0 the
-  checkpoint it just saved) to `LaunchRequest.telemetry_url` (`trainers.telemetry`);
+  checkpoint it just saved) to `LaunchRequest.telemetry_url` (`trainers.telemetry`). The
+  `TelemetryReply` carries the control plane's one request back: `stop` (the job was preempted or
+  ran out of runtime), on which the ranks checkpoint at their next common step and exit;
 - the end: the Ray job's exit status, and for a failure the last line of its log that starts with
   `ERROR_PREFIX`, which carries a one-line reason of at most `MAX_REASON_CHARS` that a user can act
   on (`error_line` writes it, `reason_from_logs` finds it).
@@ -93,6 +95,11 @@ class TelemetryBatch(Strict):
     attempt: int = Field(ge=1)
     points: list[MetricPoint] = Field(default_factory=list, max_length=10_000)
     checkpoint: CheckpointRecord | None = None
+
+
+class TelemetryReply(Strict):
+    stored: int = Field(description="Metric points taken (a re-posted point is stored once).")
+    stop: bool = Field(default=False, description="Checkpoint at the next step and exit: preempted.")
 
 
 def clip_reason(reason: str) -> str:

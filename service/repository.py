@@ -5,18 +5,19 @@ row land together or not at all."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from service.errors import InvalidTransition, JobNotFound
-from service.models import Job, JobEvent, Metric, utcnow
+from service.models import Job, JobEvent, Metric, OwnerUsage, SchedulerLease, utcnow
 from service.protocol import MetricPoint
 from service.spec import JobSpec
-from service.states import ACTIVE_STATES, JobState, can_transition
+from service.states import ACTIVE_STATES, JobState, StopReason, can_transition
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +75,126 @@ def list_jobs(
     return jobs, count
 
 
-def queued_jobs(session: Session) -> list[Job]:
-    """Queued jobs in admission order: priority (higher first), then age."""
-    query = select(Job).where(Job.state == JobState.QUEUED).order_by(Job.priority.desc(), Job.id.asc())
-    return list(session.scalars(query))
-
-
 def active_jobs(session: Session) -> list[Job]:
     """Jobs whose gang holds (or is about to hold) cluster resources."""
     return list(session.scalars(select(Job).where(Job.state.in_(ACTIVE_STATES)).order_by(Job.id)))
+
+
+def unfinished_jobs(session: Session) -> list[Job]:
+    """Queued and active jobs, whole."""
+    states = (JobState.QUEUED, *ACTIVE_STATES)
+    return list(session.scalars(select(Job).where(Job.state.in_(states)).order_by(Job.id)))
+
+
+# What the scheduler reads of every unfinished job at each tick: everything but the spec, which never
+# changes and is read once per job (`specs`).
+SCHEDULING_COLUMNS = (
+    Job.id,
+    Job.state,
+    Job.owner,
+    Job.created_at,
+    Job.started_at,
+    Job.last_checkpoint_at,
+    Job.latest_step,
+    Job.seconds_per_step,
+    Job.ray_submission_id,
+    Job.stop_requested_at,
+    Job.queue_position,
+    Job.waiting_reason,
+    Job.eta_at,
+)
+
+
+def scheduling_rows(session: Session) -> list[Any]:
+    """Queued and active jobs (`SCHEDULING_COLUMNS`), in one query."""
+    states = (JobState.QUEUED, *ACTIVE_STATES)
+    query = select(*SCHEDULING_COLUMNS).where(Job.state.in_(states)).order_by(Job.id)
+    return list(session.execute(query))
+
+
+def specs(session: Session, job_ids: Sequence[int], *, chunk: int = 5000) -> list[Any]:
+    """(id, spec, owner, created_at) of `job_ids`: what never changes about a job, in a few queries."""
+    found: list[Any] = []
+    for start in range(0, len(job_ids), chunk):
+        ids = job_ids[start : start + chunk]
+        found += session.execute(select(Job.id, Job.spec, Job.owner, Job.created_at).where(Job.id.in_(ids)))
+    return found
+
+
+def count_unfinished(session: Session) -> dict[tuple[str, JobState], int]:
+    """(queue, state) -> how many jobs, for queued and active jobs."""
+    states = (JobState.QUEUED, *ACTIVE_STATES)
+    query = (
+        select(Job.queue, Job.state, func.count()).where(Job.state.in_(states)).group_by(Job.queue, Job.state)
+    )
+    return {(queue, state): count for queue, state, count in session.execute(query)}
+
+
+def waiting_line(session: Session, queue: str, *, limit: int) -> list[Job]:
+    """The first `limit` queued jobs of `queue` in the order the scheduler last gave them."""
+    query = (
+        select(Job)
+        .where(Job.state == JobState.QUEUED, Job.queue == queue)
+        .order_by(Job.queue_position.is_(None), Job.queue_position, Job.id)
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def set_waiting(session: Session, changes: Iterable[Mapping[str, Any]]) -> None:
+    """Store many queued jobs' position, reason and ETA in one statement (rows of id and the three)."""
+    rows = [dict(row) for row in changes]
+    if rows:
+        session.execute(update(Job), rows)
+
+
+def hold_lease(session: Session, *, name: str, holder: str, now: datetime, ttl_s: float) -> bool:
+    """Take or renew the lease `name` for `holder` (free when expired); True while `holder` has it."""
+    expires_at = now + timedelta(seconds=ttl_s)
+    renewed = session.scalar(
+        update(SchedulerLease)
+        .where(
+            SchedulerLease.name == name,
+            or_(SchedulerLease.holder == holder, SchedulerLease.expires_at < now),
+        )
+        .values(holder=holder, expires_at=expires_at)
+        .returning(SchedulerLease.name)
+    )
+    if renewed is not None:
+        return True
+    insert = _insert(session)(SchedulerLease).values(name=name, holder=holder, expires_at=expires_at)
+    created = session.scalar(
+        insert.on_conflict_do_nothing(index_elements=["name"]).returning(SchedulerLease.name)
+    )
+    return created is not None
+
+
+def owns_lease(session: Session, *, name: str, holder: str, now: datetime) -> bool:
+    """Whether `holder` still holds `name`; locks the lease row for the rest of the transaction, so a
+    replica cannot take it over while this one writes a decision."""
+    query = (
+        select(SchedulerLease.name)
+        .where(SchedulerLease.name == name, SchedulerLease.holder == holder, SchedulerLease.expires_at > now)
+        .with_for_update()
+    )
+    return session.scalar(query) is not None
+
+
+def owner_usage(session: Session) -> dict[str, tuple[float, datetime]]:
+    """Each owner's stored usage and when it was last brought up to date."""
+    return {row.owner: (row.usage, row.updated_at) for row in session.scalars(select(OwnerUsage))}
+
+
+def set_owner_usage(session: Session, usage: Mapping[str, float], *, now: datetime) -> None:
+    if not usage:
+        return
+    rows = [{"owner": owner, "usage": value, "updated_at": now} for owner, value in usage.items()]
+    insert = _insert(session)(OwnerUsage)
+    statement = insert.on_conflict_do_update(
+        index_elements=["owner"],
+        set_={"usage": insert.excluded.usage, "updated_at": insert.excluded.updated_at},
+    )
+    session.execute(statement, rows)
 
 
 def transition(
@@ -125,6 +237,19 @@ def transition(
     return job
 
 
+def request_stop(session: Session, job: Job, *, why: StopReason, actor: str, reason: str) -> Job:
+    """running -> preempting: the job's trainers checkpoint at their next step and exit (service.states)."""
+    return transition(
+        session,
+        job,
+        JobState.PREEMPTING,
+        actor=actor,
+        reason=reason,
+        stop_requested=why.value,
+        stop_requested_at=utcnow(),
+    )
+
+
 def record_event(session: Session, job: Job, *, actor: str, reason: str) -> None:
     """A notable fact that is not a transition (e.g. a new checkpoint)."""
     session.add(JobEvent(job_id=job.id, from_state=job.state, to_state=job.state, actor=actor, reason=reason))
@@ -150,11 +275,26 @@ def add_metrics(session: Session, job: Job, *, attempt: int, points: Sequence[Me
         }
         for p in points
     ]
-    dialect = session.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    statement = insert(Metric).on_conflict_do_nothing(index_elements=["job_id", "attempt", "rank", "step"])
+    statement = _insert(session)(Metric).on_conflict_do_nothing(
+        index_elements=["job_id", "attempt", "rank", "step"]
+    )
     session.execute(statement, rows)
+    latest = max(point.step for point in points)
+    if job.latest_step is None or latest > job.latest_step:
+        job.latest_step = latest
+    step_times = sorted(p.values["step_time_s"] for p in points if p.values.get("step_time_s", 0) > 0)
+    if step_times:
+        # The pace of the run (the scheduler's estimate of when it ends), smoothed over posts.
+        median = step_times[len(step_times) // 2]
+        job.seconds_per_step = (
+            median if job.seconds_per_step is None else 0.8 * job.seconds_per_step + 0.2 * median
+        )
     return len(rows)
+
+
+def _insert(session: Session) -> Any:
+    """The dialect's INSERT, which has ON CONFLICT (SQLite and PostgreSQL alike)."""
+    return postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
 
 
 def list_metrics(
@@ -187,5 +327,6 @@ def set_checkpoint(session: Session, job: Job, *, step: int, uri: str) -> bool:
         return False
     job.latest_checkpoint = uri
     job.latest_checkpoint_step = step
+    job.last_checkpoint_at = utcnow()
     record_event(session, job, actor="trainer", reason=f"checkpoint at step {step}: {uri}")
     return True

@@ -38,6 +38,7 @@ class Runtime:
         return self._scheduler
 
     def start(self) -> None:
+        self.settings.queues  # noqa: B018 (a bad APIARY_QUEUES_FILE fails here, before anything starts)
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.db = Database(self.settings.resolved_database_url)
         self.db.upgrade()

@@ -1,24 +1,39 @@
-"""The scheduler loop: reconcile what Ray reports, then admit what the policy says.
+"""The scheduler loop: reconcile what Ray reports, enforce stops, then carry out what the policy says.
 
-Each tick:
-1. reconcile: for every active job (admitted or running), read its Ray job's
-   status and move the database to match (running, succeeded, failed with the
-   reason from the logs; a submission Ray never saw is requeued);
-2. admit: read the queue and the cluster, call the pure `policy.decide`, and for
-   each admitted job commit `queued → admitted` (with a new attempt and Ray
-   submission id) BEFORE submitting, so that a crash in between leaves a record
-   the next reconcile repairs, never an untracked Ray job.
+Each tick, by the one replica that holds the scheduler lease (a `scheduler_leases` row with an
+expiry, renewed every tick; another replica takes over once it expires):
 
-Waiting reasons stay in memory (`waiting_reasons`): they change every tick and
-are cheap to recompute; the API shows them beside the job.
+1. reconcile: for every active job (admitted, running or preempting), read its Ray job's status and
+   move the database to match: running; succeeded; failed with the reason from the logs; a
+   submission Ray never saw is requeued; a preempting job whose Ray job ended goes back to the
+   queue (or fails, when it ran out of `max_runtime_s`);
+2. enforce: a running job past its `max_runtime_s` is told to checkpoint and stop; a job told so
+   `preempt_grace_s` ago that has not stopped is stopped (its event says how much work that lost);
+3. schedule: read every unfinished job in one query and the cluster, call the pure
+   `policy.decide`, then preempt (running -> preempting: the trainers hear it in the reply to their
+   next telemetry post, checkpoint at the next step boundary and exit), admit (commit
+   `queued -> admitted` with a new attempt and Ray submission id BEFORE submitting, so a crash in
+   between leaves a record the next reconcile repairs, never an untracked Ray job), and store every
+   waiting job's position, reason and ETA (changed rows only, one statement).
+
+Every decision is written in a transaction that first checks, with the lease row locked, that this
+replica still holds the lease: two replicas never admit the same job or over-commit the cluster.
+Fair share: each owner's usage (dominant-share-seconds, halving every `fair_share_half_life_s`) is
+brought up to date every tick from the active jobs.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import socket
 import threading
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -28,13 +43,15 @@ from service.db import Database
 from service.errors import ClusterUnavailable
 from service.jobs import gang_for
 from service.models import Job
-from service.policy import decide
+from service.policy import ClusterSnapshot, Decisions, Gang, Preemption, decayed_usage, decide, dominant_share
 from service.protocol import LaunchRequest, entrypoint, launch_env, reason_from_logs
 from service.settings import Settings
 from service.spec import JobSpec
-from service.states import JobState
+from service.states import ACTIVE_STATES, JobState, StopReason
 
 logger = logging.getLogger(__name__)
+
+LEASE = "scheduler"
 
 
 def run_name(job_id: int) -> str:
@@ -42,12 +59,26 @@ def run_name(job_id: int) -> str:
     return f"job-{job_id}"
 
 
+def to_time(value: datetime | None) -> float | None:
+    """Unix seconds of a stored time (SQLite gives them back without their UTC zone)."""
+    if value is None:
+        return None
+    return (value if value.tzinfo is not None else value.replace(tzinfo=UTC)).timestamp()
+
+
 class Scheduler:
-    def __init__(self, *, db: Database, backend: ClusterBackend, settings: Settings) -> None:
+    def __init__(
+        self, *, db: Database, backend: ClusterBackend, settings: Settings, holder: str | None = None
+    ) -> None:
         self.db = db
         self.backend = backend
         self.settings = settings
-        self.waiting_reasons: dict[int, str] = {}
+        self.queues = settings.queues
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.is_leader = False
+        self.last_decisions: Decisions | None = None
+        self._templates: dict[int, Gang] = {}  # what a job's (immutable) spec says of its gang
+        self._max_steps: dict[int, int] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -79,36 +110,63 @@ class Scheduler:
             self._wake.wait(self.settings.scheduler_interval_s)
             self._wake.clear()
 
-    def tick(self) -> None:
-        self.reconcile()
-        self.admit()
-
-    # -- reconcile ------------------------------------------------------------------------------
-
-    def reconcile(self) -> None:
+    def tick(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        if not self._hold_lease(now):
+            if self.is_leader:
+                logger.warning("scheduler lease lost to another replica", extra={"action": "lease_lost"})
+            self.is_leader = False
+            return
+        if not self.is_leader:
+            logger.info("this replica schedules now (%s)", self.holder, extra={"action": "lease_taken"})
+        self.is_leader = True
         with self.db.session() as session:
-            active = [(job.id, job.ray_submission_id) for job in repository.active_jobs(session)]
-        for job_id, submission_id in active:
+            active = [row for row in repository.scheduling_rows(session) if row.state in ACTIVE_STATES]
+            self._learn_specs(session, [row.id for row in active])
+        self.reconcile(active)
+        self.enforce(active, now)
+        self.schedule(now)
+
+    def _hold_lease(self, now: float) -> bool:
+        with self.db.session() as session:
+            return repository.hold_lease(
+                session, name=LEASE, holder=self.holder, now=_utc(now), ttl_s=self.settings.scheduler_lease_s
+            )
+
+    def _fenced(self, session: Session) -> bool:
+        """Called first in every decision's transaction: is this replica still the scheduler?"""
+        return repository.owns_lease(session, name=LEASE, holder=self.holder, now=_utc(time.time()))
+
+    # -- 1. reconcile ---------------------------------------------------------------------------
+
+    def reconcile(self, active: Sequence[Any]) -> None:
+        """Move the active jobs (`repository.scheduling_rows`) to what Ray says of them."""
+        for row in active:
+            job_id, submission_id = row.id, row.ray_submission_id
             if submission_id is None:
                 continue
             info = self.backend.job_info(submission_id)
-            if info.status in (RayJobStatus.PENDING,):
-                continue
+            if info.status is RayJobStatus.PENDING or (
+                info.status is RayJobStatus.RUNNING and row.state is not JobState.ADMITTED
+            ):
+                continue  # nothing to write: no transaction
             reason = ""
             if info.status is RayJobStatus.FAILED:
                 reason = reason_from_logs(self.backend.job_logs(submission_id), info.message)
             with self.db.session() as session:
+                if not self._fenced(session):
+                    return
                 job = repository.get_job(session, job_id, for_update=True)
-                if job.ray_submission_id == submission_id and job.state in (
-                    JobState.ADMITTED,
-                    JobState.RUNNING,
-                ):
+                if job.ray_submission_id == submission_id and job.state in ACTIVE_STATES:
                     self._apply(session, job, info.status, reason)
 
     def _apply(self, session: Session, job: Job, status: RayJobStatus, reason: str) -> None:
         move = repository.transition
+        stopping = job.state is JobState.PREEMPTING
         if status is RayJobStatus.RUNNING and job.state is JobState.ADMITTED:
             move(session, job, JobState.RUNNING, actor="reconciler", reason="Ray job is running")
+        elif status in (RayJobStatus.SUCCEEDED, RayJobStatus.STOPPED) and stopping:
+            self._finish_stop(session, job, stopped=status is RayJobStatus.STOPPED)
         elif status is RayJobStatus.SUCCEEDED:
             move(session, job, JobState.SUCCEEDED, actor="reconciler", reason="training finished")
         elif status is RayJobStatus.FAILED:
@@ -139,51 +197,241 @@ class Scheduler:
                 reason="Ray has no record of the running job (was the cluster restarted?)",
             )
 
-    # -- admit ----------------------------------------------------------------------------------
+    def _finish_stop(self, session: Session, job: Job, *, stopped: bool) -> None:
+        """A job told to checkpoint and stop has ended: back to the queue, or failed, or done."""
+        spec = JobSpec.model_validate(job.spec)
+        step = job.latest_checkpoint_step
+        where = f"checkpoint at step {step}" if step is not None else "no checkpoint"
+        if stopped:
+            lost = max(0, (job.latest_step or 0) - (step or 0))
+            grace_s = self.queues.preempt_grace_s
+            where = f"stopped after {grace_s:g} s without checkpointing: {where}, {lost} step(s) lost"
+        if step is not None and step >= spec.max_steps:
+            repository.transition(
+                session, job, JobState.SUCCEEDED, actor="reconciler", reason=f"reached max_steps ({where})"
+            )
+        elif job.stop_requested == StopReason.MAX_RUNTIME:
+            repository.transition(
+                session,
+                job,
+                JobState.FAILED,
+                actor="reconciler",
+                reason=f"ran out of max_runtime_s ({spec.max_runtime_s:g} s); {where}",
+            )
+        else:
+            repository.transition(
+                session,
+                job,
+                JobState.QUEUED,
+                actor="reconciler",
+                reason=f"preempted; requeued in its place, resumes from its {where}",
+                ray_submission_id=None,
+                stop_requested=None,
+                stop_requested_at=None,
+                preemptions=job.preemptions + 1,
+            )
 
-    def admit(self) -> None:
-        data_cpus = self.settings.data_cpus_per_job
+    # -- 2. enforce -----------------------------------------------------------------------------
+
+    def enforce(self, active: Sequence[Any], now: float) -> None:
+        """Stop what has run too long (`repository.scheduling_rows` of the active jobs)."""
+        grace_s = self.queues.preempt_grace_s
+        overdue = [
+            row.id
+            for row in active
+            if row.state is JobState.RUNNING
+            and (runtime := self._templates[row.id].max_runtime_s) is not None
+            and now - (to_time(row.started_at) or now) >= runtime
+        ]
+        unresponsive = [
+            row.ray_submission_id
+            for row in active
+            if row.state is JobState.PREEMPTING
+            and row.ray_submission_id is not None
+            and now - (to_time(row.stop_requested_at) or now) >= grace_s
+        ]
+        for job_id in overdue:
+            self.request_stop(job_id, StopReason.MAX_RUNTIME, reason="ran out of max_runtime_s")
+        for submission_id in unresponsive:
+            logger.warning(
+                "Ray job %s did not stop within %g s of the request: stopping it",
+                submission_id,
+                grace_s,
+                extra={"action": "stop_forced", "submission_id": submission_id},
+            )
+            try:
+                self.backend.stop(submission_id)
+            except ClusterUnavailable as err:
+                logger.error("could not stop Ray job %s: %s", submission_id, err)
+
+    def request_stop(self, job_id: int, why: StopReason, *, reason: str) -> bool:
+        """running -> preempting (service.states), if this replica still schedules."""
         with self.db.session() as session:
-            queued = [
-                gang_for(job.id, JobSpec.model_validate(job.spec), data_cpus=data_cpus)
-                for job in repository.queued_jobs(session)
-            ]
-            active = [
-                gang_for(job.id, JobSpec.model_validate(job.spec), data_cpus=data_cpus)
-                for job in repository.active_jobs(session)
-            ]
-        if not queued:
-            self.waiting_reasons = {}
-            return
-        decisions = decide(cluster=self.backend.snapshot(), queued=queued, active=active, now=time.time())
-        self.waiting_reasons = dict(decisions.waiting)
+            if not self._fenced(session):
+                return False
+            job = repository.get_job(session, job_id, for_update=True)
+            if job.state is not JobState.RUNNING:
+                return False
+            repository.request_stop(session, job, why=why, actor="scheduler", reason=reason)
+            return True
+
+    # -- 3. schedule ----------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> Decisions:
+        with self.db.session() as session:
+            rows = repository.scheduling_rows(session)
+            self._learn_specs(session, [row.id for row in rows])
+            stored_usage = repository.owner_usage(session)
+        waiting_before = {
+            row.id: (row.queue_position, row.waiting_reason, _rounded(to_time(row.eta_at)))
+            for row in rows
+            if row.state is JobState.QUEUED
+        }
+        queued = [self._templates[row.id] for row in rows if row.state is JobState.QUEUED]
+        active = [self._gang(row, now=now) for row in rows if row.state in ACTIVE_STATES]
+        cluster = self.backend.snapshot()
+        usage = self._update_usage(stored_usage, active, cluster=cluster, now=now)
+        decisions = decide(
+            cluster=cluster, queued=queued, active=active, now=now, queues=self.queues, usage=usage
+        )
+        self.last_decisions = decisions
+        for victim in decisions.preempt:
+            self._preempt(victim)
         for job_id in decisions.admit:
             self._admit_one(job_id)
+        self._store_waiting(decisions, before=waiting_before, admitted=set(decisions.admit))
+        return decisions
+
+    def _learn_specs(self, session: Session, job_ids: Sequence[int]) -> None:
+        """Gang templates (and max_steps) of the jobs not seen before: a spec never changes."""
+        new = [job_id for job_id in job_ids if job_id not in self._templates]
+        if not new:
+            return
+        for job_id, spec_json, owner, created_at in repository.specs(session, new):
+            spec = JobSpec.model_validate(spec_json)
+            self._templates[job_id] = gang_for(
+                job_id,
+                spec,
+                data_cpus=self.settings.data_cpus_per_job,
+                owner=owner,
+                submitted_at=to_time(created_at) or 0.0,
+            )
+            self._max_steps[job_id] = spec.max_steps
+
+    def _gang(self, row: Any, *, now: float) -> Gang:
+        """An active job as the policy sees it: its gang, and its progress."""
+        template = self._templates[row.id]
+        started_at = to_time(row.started_at) if row.state is not JobState.ADMITTED else None
+        return replace(
+            template,
+            started_at=started_at,
+            last_checkpoint_at=to_time(row.last_checkpoint_at),
+            expected_end_at=self._expected_end(row, template, started_at=started_at, now=now),
+            stopping=row.state is JobState.PREEMPTING,
+        )
+
+    def _expected_end(self, row: Any, gang: Gang, *, started_at: float | None, now: float) -> float | None:
+        """When the job will release its gang: its max_runtime_s, or its pace toward max_steps."""
+        ends = []
+        if gang.max_runtime_s is not None:
+            ends.append((started_at if started_at is not None else now) + gang.max_runtime_s)
+        if row.seconds_per_step and row.latest_step is not None:
+            ends.append(now + max(0, self._max_steps[row.id] - row.latest_step) * row.seconds_per_step)
+        return min(ends) if ends else None
+
+    def _update_usage(
+        self,
+        stored: Mapping[str, tuple[float, datetime]],
+        active: Sequence[Gang],
+        *,
+        cluster: ClusterSnapshot,
+        now: float,
+    ) -> dict[str, float]:
+        """Each owner's usage decayed to `now`; owners with active jobs also get the time since their
+        last update at their current rate (the dominant share of the cluster they hold)."""
+        totals: dict[str, float] = {}
+        for node in cluster.nodes:
+            for key, amount in node.resources.items():
+                totals[key] = totals.get(key, 0.0) + amount
+        rate: dict[str, float] = {}
+        for gang in active:
+            rate[gang.owner] = rate.get(gang.owner, 0.0) + dominant_share(gang, totals)
+        usage: dict[str, float] = {}
+        updates: dict[str, float] = {}
+        for owner, (value, updated_at) in stored.items():
+            usage[owner] = decayed_usage(
+                value,
+                rate=rate.get(owner, 0.0),
+                elapsed_s=max(0.0, now - (to_time(updated_at) or now)),
+                half_life_s=self.queues.fair_share_half_life_s,
+            )
+            if owner in rate:
+                updates[owner] = usage[owner]
+        for owner in rate.keys() - stored.keys():
+            usage[owner] = updates[owner] = 0.0  # from now on
+        with self.db.session() as session:
+            if self._fenced(session):
+                repository.set_owner_usage(session, updates, now=_utc(now))
+        return usage
+
+    def _preempt(self, victim: Preemption) -> None:
+        if self.request_stop(victim.job_id, StopReason.PREEMPTED, reason=victim.reason):
+            logger.info(
+                "job %s preempted for job %s",
+                victim.job_id,
+                victim.for_job,
+                extra={"action": "job_preempted", "job": {"id": victim.job_id, "for": victim.for_job}},
+            )
+
+    def _store_waiting(
+        self,
+        decisions: Decisions,
+        *,
+        before: Mapping[int, tuple[int | None, str | None, float | None]],
+        admitted: set[int],
+    ) -> None:
+        changes = [
+            {
+                "id": job_id,
+                "queue_position": wait.position,
+                "waiting_reason": wait.reason,
+                "eta_at": _utc(wait.eta) if wait.eta is not None else None,
+            }
+            for job_id, wait in decisions.waiting.items()
+            if job_id not in admitted
+            and before.get(job_id) != (wait.position, wait.reason, _rounded(wait.eta))
+        ]
+        with self.db.session() as session:
+            if self._fenced(session):
+                repository.set_waiting(session, changes)
 
     def _admit_one(self, job_id: int) -> None:
         with self.db.session() as session:
+            if not self._fenced(session):
+                return
             job = repository.get_job(session, job_id, for_update=True)
             if job.state is not JobState.QUEUED:
                 return  # cancelled meanwhile
             attempt = job.attempt + 1
             submission_id = f"apiary-job-{job.id}-attempt-{attempt}-{secrets.token_hex(3)}"
+            spec = JobSpec.model_validate(job.spec)
             repository.transition(
                 session,
                 job,
                 JobState.ADMITTED,
                 actor="scheduler",
                 # An elastic job is admitted on its min gang (service.policy glossary: elastic gang).
-                reason=(
-                    f"gang of {JobSpec.model_validate(job.spec).min_workers} worker(s) fits; "
-                    f"submitting attempt {attempt}"
-                ),
+                reason=f"gang of {spec.min_workers} worker(s) fits; submitting attempt {attempt}",
                 attempt=attempt,
                 ray_submission_id=submission_id,
+                queue_position=None,
+                waiting_reason=None,
+                eta_at=None,
             )
             launch = LaunchRequest(
                 job_id=job.id,
                 attempt=attempt,
-                spec=JobSpec.model_validate(job.spec),
+                spec=spec,
                 storage_uri=self.settings.resolved_storage_uri,
                 run_name=run_name(job.id),
                 telemetry_url=f"{self.settings.resolved_public_url}/internal/jobs/{job.id}/telemetry",
@@ -216,3 +464,12 @@ class Scheduler:
             cancelled = repository.get_job(session, job_id).state is JobState.CANCELLED
         if cancelled:  # cancelled between admission and submission: the cancel found no Ray job to stop
             self.backend.stop(submission_id)
+
+
+def _utc(timestamp: float) -> datetime:
+    return datetime.fromtimestamp(timestamp, UTC)
+
+
+def _rounded(timestamp: float | None) -> float | None:
+    """A stored time as the database gives it back (microseconds at most)."""
+    return round(timestamp, 3) if timestamp is not None else None

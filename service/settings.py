@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service import queues
+from service.queues import QueuesConfig
 
 
 class Settings(BaseSettings):
@@ -51,6 +55,14 @@ class Settings(BaseSettings):
         default=1.0, gt=0, description="CPUs reserved per job for its Ray Data tasks (part of its gang)."
     )
     scheduler_interval_s: float = Field(default=1.0, gt=0)
+    queues_file: Path | None = Field(
+        default=None, description="YAML/JSON queue configuration over the built-in defaults (service.queues)."
+    )
+    scheduler_lease_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How long a scheduling replica's lease lasts unrenewed: another takes over after it.",
+    )
     data_trace_dir: Path | None = Field(
         default=None,
         description="Debugging aid: every job's ranks append the sample ids of each step under this "
@@ -73,6 +85,11 @@ class Settings(BaseSettings):
     @property
     def resolved_public_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+    @cached_property
+    def queues(self) -> QueuesConfig:
+        """The queue configuration (`queues_file` over the defaults); a bad file fails at start-up."""
+        return queues.load(self.queues_file)
 
     def job_aws_env(self) -> dict[str, str]:
         """The AWS variables a job's processes get (only those set; none with `forward_aws_env` off)."""

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 MAX_WORKERS = 1024
+MAX_PRIORITY = 100
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _RESOURCE = re.compile(r"^[A-Za-z_][A-Za-z0-9_:.-]{0,63}$")
@@ -136,7 +137,9 @@ class JobSpec(Strict):
 
     name: str = Field(description="Human name; letters, digits, '.', '_', '-'.")
     queue: Queue = Queue.RESEARCH
-    priority: int = Field(default=0, description="Higher wins within a queue.")
+    priority: int = Field(
+        default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="Higher wins within a queue (-100..100)."
+    )
     trainer: str = Field(description="'mlp', 'gpt', or an importable 'package.module:function'.")
     num_workers: int | ElasticWorkers = Field(
         description="Workers of the group: a number, or {min, max} for elastic training (see ElasticWorkers)."
@@ -150,6 +153,13 @@ class JobSpec(Strict):
     seed: int = Field(default=0, ge=0)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     max_failures: int = Field(default=0, ge=0, le=100)
+    max_runtime_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=366 * 86_400,
+        description="Stopped with a checkpoint after running this long; a research job without one gets "
+        "its queue's default. The scheduler lets a job with one start in gaps that end before a reservation.",
+    )
     config: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")

@@ -273,9 +273,10 @@ def main() -> int:
         logger.error("job %d attempt %d failed:\n%s", request.job_id, request.attempt, traceback.format_exc())
         return _fail(failure_reason(err))
     logger.info(
-        "job %d attempt %d done in %.1f s, %s",
+        "job %d attempt %d %s in %.1f s, %s",
         request.job_id,
         request.attempt,
+        "stopped early (asked to)" if 0 < result.step < request.spec.max_steps else "done",
         result.elapsed_s,
         # Ray Train knows the step only from a checkpoint's metrics: a custom trainer may report none.
         f"last checkpoint {result.checkpoint_uri} at step {result.step}"

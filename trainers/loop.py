@@ -15,7 +15,10 @@
    epoch of the shard whenever one runs out.
 5. Each step, record this rank's metrics (`STEP_METRICS`) as telemetry.
 6. Every `checkpoint.every_steps` steps and at `max_steps`, every rank saves (`Checkpointer.save`:
-   `ray.train.report` is a barrier, so all ranks call it the same number of times).
+   `ray.train.report` is a barrier, so all ranks call it the same number of times). When the
+   control plane asks the job to stop (a telemetry reply: preempted, or out of runtime), the ranks
+   agree on it at the end of a step (`any_rank`, one small collective per step), save a checkpoint
+   there and return: the run resumes from exactly that step when the job is admitted again.
 
 Data position: each rank reads its own samples in an order fixed by (seed, epoch, world size)
 (`trainers.data_order`), so the checkpoint's (epoch, batches_in_epoch) is the exact position of
@@ -39,7 +42,7 @@ import torch
 from service.protocol import LaunchRequest
 from trainers.checkpoint import Checkpointer, TrainParts, TrainState, seed_rank
 from trainers.data import DatasetInfo, iter_batches_for_rank
-from trainers.parallel import autocast, clip_grad_norm, parallelize
+from trainers.parallel import any_rank, autocast, clip_grad_norm, parallelize
 from trainers.registry import builtin_trainer
 from trainers.telemetry import Telemetry
 
@@ -140,9 +143,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 last_log = now
                 _log_progress(state.step, max_steps=spec.max_steps, values=values)
 
-            # 6. Checkpoint.
-            if checkpointer.due(state.step):
+            # 6. Checkpoint; and stop here when the control plane asks.
+            stop = any_rank(telemetry.stop_requested.is_set(), device=device)
+            if checkpointer.due(state.step) or stop:
                 checkpointer.save(parts, state, metrics=values)
+            if stop:
+                if rank == 0:
+                    logger.info(
+                        "stopped at step %d with a checkpoint, as the control plane asked", state.step
+                    )
+                return
 
 
 def _log_progress(step: int, *, max_steps: int, values: dict[str, float]) -> None:

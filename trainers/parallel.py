@@ -36,6 +36,15 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def any_rank(flag: bool, *, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on any (a collective: every rank calls it at the same step)."""
+    if not is_distributed() or dist.get_world_size() == 1:
+        return flag
+    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
 def parallelize(model: nn.Module, *, strategy: Strategy, device: torch.device) -> nn.Module:
     """Move `model` to `device` and wrap it for `strategy` over the default process group.
 

@@ -5,7 +5,8 @@ Each rank owns one `Telemetry` (`service.protocol`'s telemetry channel). The tra
 the buffered points as a `TelemetryBatch` JSON to the job's telemetry URL about once a second, or
 sooner when 200 points are waiting, and `close()` posts the rest. Rank 0 also calls
 `checkpoint_saved()` right after a checkpoint is persisted, which wakes the thread. Until `start()`
-(or `with`), nothing is posted but by an explicit `flush()`.
+(or `with`), nothing is posted but by an explicit `flush()`. A reply that says `stop` (the job was
+preempted or ran out of runtime) sets `stop_requested`, which the train loop reads every step.
 
 A NaN or infinite value is left out of its point (with a warning): the JSON of a TelemetryBatch
 cannot carry it, and the control plane would refuse the whole batch.
@@ -27,8 +28,9 @@ from collections import deque
 from types import TracebackType
 
 import httpx
+from pydantic import ValidationError
 
-from service.protocol import CheckpointRecord, MetricPoint, TelemetryBatch
+from service.protocol import CheckpointRecord, MetricPoint, TelemetryBatch, TelemetryReply
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class Telemetry:
         self._send_lock = threading.Lock()  # one flush at a time (thread vs close)
         self._wake = threading.Event()
         self._closed = threading.Event()
+        self.stop_requested = threading.Event()
         self._failing = False
         self._non_finite_seen: set[str] = set()
         self.dropped_points = 0
@@ -176,6 +179,7 @@ class Telemetry:
             if self._failing:
                 logger.info("control plane reachable again at %s", self.url)
                 self._failing = False
+            self._read_reply(response)
             return True
         if response.status_code >= 500 or response.status_code in (408, 429):
             self._note_failure(f"HTTP {response.status_code}", batch)
@@ -188,6 +192,15 @@ class Telemetry:
         )
         self.dropped_points += len(batch.points)
         return True
+
+    def _read_reply(self, response: httpx.Response) -> None:
+        try:
+            reply = TelemetryReply.model_validate_json(response.content)
+        except ValidationError:
+            return  # an older control plane, or a bare test server: nothing asked
+        if reply.stop and not self.stop_requested.is_set():
+            logger.warning("the control plane asks this job to checkpoint and stop (preempted)")
+            self.stop_requested.set()
 
     def _note_failure(self, reason: str, batch: TelemetryBatch) -> None:
         # Warn once per outage, not once a second for as long as it lasts.

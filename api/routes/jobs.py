@@ -25,28 +25,33 @@ def submit_job(spec: JobSpec, jobs: JobsDep, scheduler: SchedulerDep, owner: Own
 @router.get("", response_model=JobsPublic)
 def list_jobs(
     jobs: JobsDep,
-    scheduler: SchedulerDep,
     state: Annotated[list[JobState] | None, Query(description="Repeat to match several states.")] = None,
     queue: Annotated[str | None, Query()] = None,
     offset: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> JobsPublic:
     found, count = jobs.list_jobs(states=state or (), queue=queue, offset=offset, limit=limit)
-    reasons = scheduler.waiting_reasons
-    return JobsPublic(
-        data=[JobPublic.build(job, waiting_reason=reasons.get(job.id)) for job in found], count=count
-    )
+    return JobsPublic(data=[JobPublic.build(job) for job in found], count=count)
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def get_job(job_id: int, jobs: JobsDep, scheduler: SchedulerDep) -> JobPublic:
-    return JobPublic.build(jobs.get_job(job_id), waiting_reason=scheduler.waiting_reasons.get(job_id))
+def get_job(job_id: int, jobs: JobsDep) -> JobPublic:
+    return JobPublic.build(jobs.get_job(job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic)
 def cancel_job(job_id: int, jobs: JobsDep) -> JobPublic:
     """Cancel a queued or running job (a running one's Ray job is stopped). 409 if it already ended."""
     return JobPublic.build(jobs.cancel(job_id))
+
+
+@router.post("/{job_id}/preempt", response_model=JobPublic)
+def preempt_job(job_id: int, jobs: JobsDep, scheduler: SchedulerDep, owner: OwnerDep) -> JobPublic:
+    """Checkpoint a running job and put it back in its queue, in its place (it resumes from that
+    checkpoint when admitted again). 409 unless it is running."""
+    job = jobs.preempt(job_id, actor=owner)
+    scheduler.wake()
+    return JobPublic.build(job)
 
 
 @router.get("/{job_id}/events", response_model=EventsPublic)

@@ -67,7 +67,7 @@ def start_serve(*, data_dir: Path, database_url: str, log: Path, timeout_s: floa
             raise RuntimeError(f"apiary serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
         try:
             return httpx.get(f"{served.url}/healthz", timeout=2).json().get("status") == "ok"
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):  # not up yet, or not answering JSON yet
             return False
 
     try:

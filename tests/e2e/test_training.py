@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
+import torch
 
 from api.client import ApiaryClient
 from api.demo import classification_table, write_shards
@@ -95,6 +96,38 @@ def test_a_two_worker_job_trains_to_a_checkpoint_that_loads(
     progress = [line for line in logs.splitlines() if "trainers.loop INFO step " in line]
     assert "step 1/30 " in progress[0] and "step 30/30 " in progress[-1], progress
     assert len(progress) <= 4, progress
+
+
+def test_a_preempted_job_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_run_does(
+    client: ApiaryClient, dataset: str
+) -> None:
+    spec = mlp_spec(dataset, name="e2e-whole", max_steps=150, checkpoint={"every_steps": 50})
+    whole = client.wait(client.submit(spec)["id"], timeout_s=300)
+    assert whole["state"] == "succeeded", whole
+
+    job = client.submit({**spec, "name": "e2e-preempted"})
+    wait_until(lambda: (client.get(job["id"])["latest_step"] or 0) >= 20, timeout_s=180, what="step 20")
+    assert client.preempt(job["id"])["state"] == "preempting"
+    job = client.wait(job["id"], timeout_s=300)  # checkpoints, goes back to the queue, is readmitted
+    assert job["state"] == "succeeded", job
+    assert (job["attempt"], job["preemptions"]) == (2, 1)
+    reasons = [event["reason"] for event in client.events(job["id"])]
+    assert "preempted by e2e" in reasons
+    resumed = next(reason for reason in reasons if "resumes from its checkpoint at step" in reason)
+    stopped_at = int(resumed.split("checkpoint at step ")[1].split()[0])
+    assert 20 <= stopped_at < 150
+
+    # The run that was stopped and resumed took exactly the steps of the one that was not.
+    points = client.metrics(job["id"], rank=0)
+    assert min(p["step"] for p in points if p["attempt"] == 2) == stopped_at + 1
+    whole_loss = {p["step"]: p["values"]["loss"] for p in client.metrics(whole["id"], rank=0)}
+    resumed_loss = {p["step"]: p["values"]["loss"] for p in points if p["attempt"] == 2}
+    assert resumed_loss == {step: whole_loss[step] for step in resumed_loss}
+    from trainers.checkpoint import build_model_from_checkpoint
+
+    final = build_model_from_checkpoint(urlparse(job["latest_checkpoint"]).path).state_dict()
+    reference = build_model_from_checkpoint(urlparse(whole["latest_checkpoint"]).path).state_dict()
+    assert all(torch.equal(final[name], tensor) for name, tensor in reference.items())
 
 
 def test_cancel_stops_the_ray_job(client: ApiaryClient, served: Served, dataset: str) -> None:

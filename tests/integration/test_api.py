@@ -3,56 +3,13 @@ tests/e2e runs the real thing). The scheduler does not loop: each test calls `ti
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from api.app import create_app
-from api.server import BackgroundServer
-from service.cluster import RayJobStatus, free_port
+from service.cluster import RayJobStatus
 from service.protocol import error_line
-from service.runtime import Runtime
-from service.settings import Settings
-from tests.support.fakes import FakeBackend
-
-
-class Service:
-    def __init__(self, *, http: httpx.Client, runtime: Runtime, backend: FakeBackend) -> None:
-        self.http = http
-        self.runtime = runtime
-        self.backend = backend
-
-    def tick(self) -> None:
-        self.runtime.scheduler.tick()
-
-    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
-        response = self.http.post("/jobs", json=spec)
-        assert response.status_code == 201, response.text
-        body: dict[str, Any] = response.json()
-        return body
-
-    def job(self, job_id: int) -> dict[str, Any]:
-        body: dict[str, Any] = self.http.get(f"/jobs/{job_id}").json()
-        return body
-
-    def count(self) -> int:
-        return int(self.http.get("/jobs").json()["count"])
-
-
-@pytest.fixture
-def service(database_url: str, tmp_path: Path) -> Iterator[Service]:
-    port = free_port()
-    settings = Settings(data_dir=tmp_path / "data", database_url=database_url, port=port)
-    backend = FakeBackend()
-    runtime = Runtime(settings, backend=backend, run_scheduler=False)
-    server = BackgroundServer(create_app(runtime=runtime), host="127.0.0.1", port=port)
-    server.start()
-    with httpx.Client(base_url=server.url, headers={"X-Apiary-User": "ada"}, timeout=10) as http:
-        yield Service(http=http, runtime=runtime, backend=backend)
-    server.stop()
+from tests.integration.conftest import Service
 
 
 @pytest.fixture
@@ -105,7 +62,8 @@ def test_the_gang_waits_until_it_fits_and_says_why(service: Service, spec: dict[
     assert service.job(first["id"])["state"] == "admitted"
     waiting = service.job(second["id"])
     assert waiting["state"] == "queued"
-    assert "needs 4 CPU; free now 2 CPU" in waiting["waiting_reason"]
+    assert "needs 3 worker(s) x 1 CPU + 1 CPU; free now 2 CPU; reserved from" in waiting["waiting_reason"]
+    assert waiting["queue_position"] == 1 and waiting["eta_at"] is not None
 
     service.backend.statuses[service.backend.submission_of(first["id"])] = RayJobStatus.SUCCEEDED
     service.tick()  # reconcile frees the gang, then admit takes the next one
@@ -119,7 +77,15 @@ def test_the_gang_waits_until_it_fits_and_says_why(service: Service, spec: dict[
         ({"num_workers": 0}, "num_workers", "greater than or equal to 1"),
         ({"trainer": "no_such_module_xyz:train"}, "trainer", "cannot be imported"),
         ({"dataset": {"uri": "file:///no/such/dataset"}}, "dataset.uri", "does not exist"),
-        ({"num_workers": 64}, "num_workers", "the cluster has 1 node(s) with 8 CPU"),
+        ({"num_workers": 64, "queue": "full-scale"}, "num_workers", "the cluster has 1 node(s) with 8 CPU"),
+        ({"num_workers": 9}, "num_workers", "queue research takes jobs of at most 8 workers"),
+        (
+            {"max_runtime_s": 86_400},
+            "max_runtime_s",
+            "queue research takes jobs of at most max_runtime_s 14400",
+        ),
+        ({"priority": 1000}, "priority", "less than or equal to 100"),
+        ({"priority": 2**40}, "priority", "less than or equal to 100"),
         ({"resources_per_worker": {"GPU": 1}}, "num_workers", "use fewer workers"),
         ({"config": {"task": "classification"}}, "config", "num_classes"),
     ],
@@ -250,6 +216,7 @@ def test_openapi_is_served(service: Service) -> None:
 def test_an_elastic_job_is_admitted_on_its_min_and_holds_what_it_may_grow_into(
     service: Service, spec: dict[str, Any]
 ) -> None:
+    spec = {**spec, "queue": "full-scale"}
     refused = service.http.post("/jobs", json={**spec, "num_workers": {"min": 9, "max": 12}})
     assert refused.status_code == 422 and "the cluster has 1 node(s) with 8 CPU" in refused.text
     elastic = service.submit({**spec, "num_workers": {"min": 2, "max": 12}})  # 2 + 1 data CPU of 8 fit

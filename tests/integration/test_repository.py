@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import func, select
@@ -75,12 +76,52 @@ def test_a_failed_unit_of_work_rolls_back_the_job_and_its_event(db: Database) ->
         assert session.scalar(select(func.count()).select_from(JobEvent)) == 0
 
 
-def test_queue_order_is_priority_then_age(db: Database) -> None:
+def test_waiting_decisions_are_stored_in_bulk_and_read_back_in_order(db: Database) -> None:
     with db.session() as session:
-        for name, priority in [("a", 0), ("b", 5), ("c", 0), ("d", 5)]:
-            repository.create_job(session, spec=spec(name, priority), owner="ada")
+        ids = [repository.create_job(session, spec=spec(name), owner="ada").id for name in "abc"]
     with db.session() as session:
-        assert [job.name for job in repository.queued_jobs(session)] == ["b", "d", "a", "c"]
+        repository.set_waiting(
+            session,
+            [
+                {"id": ids[0], "queue_position": 2, "waiting_reason": "behind c", "eta_at": None},
+                {"id": ids[2], "queue_position": 1, "waiting_reason": "needs 2 CPU", "eta_at": None},
+            ],
+        )
+    with db.session() as session:
+        assert [job.name for job in repository.waiting_line(session, "research", limit=10)] == ["c", "a", "b"]
+        assert [job.id for job in repository.unfinished_jobs(session)] == ids
+        assert repository.count_unfinished(session) == {("research", JobState.QUEUED): 3}
+
+
+def test_one_holder_at_a_time_takes_the_lease_until_it_expires(db: Database) -> None:
+    now = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    with db.session() as session:
+        assert repository.hold_lease(session, name="scheduler", holder="a", now=now, ttl_s=5)
+    with db.session() as session:
+        assert not repository.hold_lease(session, name="scheduler", holder="b", now=now, ttl_s=5)
+        assert repository.owns_lease(session, name="scheduler", holder="a", now=now)
+        assert not repository.owns_lease(session, name="scheduler", holder="b", now=now)
+    with db.session() as session:  # a renews
+        assert repository.hold_lease(
+            session, name="scheduler", holder="a", now=now + timedelta(seconds=3), ttl_s=5
+        )
+    later = now + timedelta(seconds=9)  # a stopped renewing 6 s ago: its lease ran out
+    with db.session() as session:
+        assert not repository.owns_lease(session, name="scheduler", holder="a", now=later)
+        assert repository.hold_lease(session, name="scheduler", holder="b", now=later, ttl_s=5)
+    with db.session() as session:
+        assert not repository.hold_lease(session, name="scheduler", holder="a", now=later, ttl_s=5)
+
+
+def test_owner_usage_is_upserted(db: Database) -> None:
+    now = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    with db.session() as session:
+        repository.set_owner_usage(session, {"ada": 10.0, "bob": 1.0}, now=now)
+    with db.session() as session:
+        repository.set_owner_usage(session, {"ada": 12.5}, now=now + timedelta(seconds=1))
+    with db.session() as session:
+        usage = repository.owner_usage(session)
+    assert {owner: value for owner, (value, _) in usage.items()} == {"ada": 12.5, "bob": 1.0}
 
 
 def test_list_filters_and_paginates(db: Database) -> None:

@@ -12,13 +12,14 @@ class TelemetryServer:
     """A real HTTP server on 127.0.0.1 that collects TelemetryBatch posts.
 
     The first `fail_first` posts get `fail_status` (and are not kept), like a control plane that is
-    down for a while.
+    down for a while. Set `stop` to reply as the control plane does to a preempted job.
     """
 
     def __init__(self, *, fail_first: int = 0, fail_status: int = 503) -> None:
         self.fail_first = fail_first
         self.fail_status = fail_status
         self.attempts = 0
+        self.stop = False
         self.batches: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         server = self
@@ -31,9 +32,11 @@ class TelemetryServer:
                     failing = server.attempts <= server.fail_first
                     if not failing:
                         server.batches.append(json.loads(body))
+                    reply = b"" if failing else json.dumps({"stored": 0, "stop": server.stop}).encode()
                 self.send_response(server.fail_status if failing else 200)
-                self.send_header("content-length", "0")
+                self.send_header("content-length", str(len(reply)))
                 self.end_headers()
+                self.wfile.write(reply)
 
             def log_message(self, format: str, *args: Any) -> None:  # keep pytest output quiet
                 pass

@@ -120,3 +120,13 @@ def test_non_finite_values_are_left_out_not_the_whole_batch(
     assert [p["values"] for p in telemetry_server.points()] == [{"lr": 0.1}, {"loss": 2.0, "lr": 0.1}]
     assert "loss is nan" in caplog.text
     sender.close()
+
+
+def test_a_stop_in_the_reply_is_remembered_until_the_loop_reads_it(telemetry_server: TelemetryServer) -> None:
+    sender = Telemetry(url=telemetry_server.url, attempt=1, rank=0)
+    sender.record(1, {"loss": 1.0})
+    assert sender.flush() and not sender.stop_requested.is_set()
+    telemetry_server.stop = True
+    sender.record(2, {"loss": 1.0})
+    assert sender.flush() and sender.stop_requested.is_set()
+    sender.close()

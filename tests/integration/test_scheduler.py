@@ -1,0 +1,168 @@
+"""The scheduler loop around the policy, over real HTTP and a real database, with a fake cluster:
+preemption from decision to requeue, max runtime, the stop grace, manual preemption, GET /queues,
+and one scheduling replica at a time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from service.cluster import RayJobStatus
+from service.scheduler import Scheduler
+from tests.integration.conftest import Service
+
+# Two equal shares of one 8-CPU node; nothing protected by a minimum runtime.
+EVEN = {
+    "research": {"share": 0.5, "min_runtime_s": 0, "default_max_runtime_s": None, "max_runtime_s": None},
+    "full-scale": {"share": 0.5, "min_runtime_s": 0},
+    "preempt_grace_s": 60,
+}
+
+
+@pytest.fixture
+def spec(classification_dataset: str) -> dict[str, Any]:
+    return {
+        "name": "job",
+        "trainer": "mlp",
+        "num_workers": 1,  # + 1 data CPU: 2 CPU a job
+        "dataset": {"uri": classification_dataset},
+        "max_steps": 100,
+        "batch_size": 8,
+        "config": {"task": "classification", "num_classes": 3},
+    }
+
+
+def run_to_running(service: Service, job_ids: list[int]) -> None:
+    service.tick()
+    for job_id in job_ids:
+        service.backend.statuses[service.backend.submission_of(job_id)] = RayJobStatus.RUNNING
+    service.tick()
+    assert all(service.job(job_id)["state"] == "running" for job_id in job_ids)
+
+
+def test_full_scale_takes_its_share_back_and_the_preempted_job_resumes_in_its_place(
+    start_service: Callable[..., Service], spec: dict[str, Any]
+) -> None:
+    service = start_service(queues=EVEN)
+    # Research borrows: three 2-CPU jobs on 8 CPU, its share is 4.
+    research = [service.submit({**spec, "name": f"r{i}"})["id"] for i in range(3)]
+    run_to_running(service, research)
+    big = service.submit({**spec, "name": "fs", "queue": "full-scale", "num_workers": 3})  # 4 CPU, its share
+    service.tick()
+    states = {job_id: service.job(job_id)["state"] for job_id in research}
+    victims = [job_id for job_id, state in states.items() if state == "preempting"]
+    assert len(victims) == 1
+    victim = service.job(victims[0])
+    assert victim["stop_requested"] == "preempted"
+    assert service.job(big["id"])["state"] == "queued"
+    assert "preempting job(s)" in service.job(big["id"])["waiting_reason"]
+
+    # The victim's trainers hear it in their next telemetry reply...
+    reply = service.http.post(
+        f"/internal/jobs/{victim['id']}/telemetry",
+        json={
+            "attempt": 1,
+            "points": [],
+            "checkpoint": {"step": 40, "uri": "file:///ckpt/checkpoint_00000040"},
+        },
+    ).json()
+    assert reply["stop"] is True
+    # ... checkpoint and exit; Ray reports the job done.
+    service.backend.statuses[victim["ray_submission_id"]] = RayJobStatus.SUCCEEDED
+    service.tick()  # the victim is back in the queue; the full-scale job starts on its CPUs
+    requeued = service.job(victim["id"])
+    assert (requeued["state"], requeued["preemptions"], requeued["stop_requested"]) == ("queued", 1, None)
+    assert requeued["created_at"] == victim["created_at"]  # it keeps its place
+    events = service.http.get(f"/jobs/{victim['id']}/events").json()["data"]
+    assert "resumes from its checkpoint at step 40" in events[-1]["reason"]
+    assert service.job(big["id"])["state"] == "admitted"
+
+
+def test_a_job_that_runs_out_of_max_runtime_is_stopped_with_a_checkpoint_and_fails(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    job = service.submit({**spec, "max_runtime_s": 30})
+    run_to_running(service, [job["id"]])
+    service.tick(time.time() + 31)
+    job = service.job(job["id"])
+    assert (job["state"], job["stop_requested"]) == ("preempting", "max_runtime")
+    service.backend.statuses[job["ray_submission_id"]] = RayJobStatus.SUCCEEDED
+    service.tick()
+    job = service.job(job["id"])
+    assert job["state"] == "failed" and "ran out of max_runtime_s (30 s)" in job["message"]
+
+
+def test_a_research_job_gets_its_queues_default_runtime(service: Service, spec: dict[str, Any]) -> None:
+    assert service.submit(spec)["spec"]["max_runtime_s"] == 3600
+    assert service.submit({**spec, "queue": "full-scale"})["spec"]["max_runtime_s"] is None
+
+
+def test_a_job_that_does_not_stop_within_the_grace_is_stopped_and_requeued(
+    start_service: Callable[..., Service], spec: dict[str, Any]
+) -> None:
+    service = start_service(queues=EVEN)
+    job = service.submit(spec)
+    run_to_running(service, [job["id"]])
+    assert service.http.post(f"/jobs/{job['id']}/preempt").json()["state"] == "preempting"
+    submission = service.job(job["id"])["ray_submission_id"]
+    service.tick()
+    assert service.backend.stopped == []  # within the grace
+    service.tick(time.time() + 61)
+    assert service.backend.stopped == [submission]  # the fake's stop makes Ray say STOPPED
+    service.tick()
+    job = service.job(job["id"])
+    assert job["state"] in ("queued", "admitted") and job["preemptions"] == 1
+    events = service.http.get(f"/jobs/{job['id']}/events").json()["data"]
+    reasons = [event["reason"] for event in events]
+    assert "preempted by ada" in reasons
+    assert any("stopped after 60 s without checkpointing: no checkpoint" in reason for reason in reasons)
+
+
+def test_only_a_running_job_can_be_preempted(service: Service, spec: dict[str, Any]) -> None:
+    job = service.submit(spec)
+    response = service.http.post(f"/jobs/{job['id']}/preempt")
+    assert response.status_code == 409 and "only a running job can be preempted" in response.json()["message"]
+    assert service.http.post("/jobs/999/preempt").status_code == 404
+
+
+def test_queues_show_configuration_use_borrowing_and_the_ordered_line(
+    start_service: Callable[..., Service], spec: dict[str, Any]
+) -> None:
+    service = start_service(queues=EVEN)
+    running = [service.submit({**spec, "name": f"r{i}"})["id"] for i in range(3)]  # 6 CPU: 2 borrowed
+    run_to_running(service, running)
+    waiting = [service.submit({**spec, "name": f"w{i}", "num_workers": 3})["id"] for i in range(2)]
+    service.tick()
+    queues = {queue["name"]: queue for queue in service.http.get("/queues").json()["data"]}
+    research = queues["research"]
+    assert research["config"]["share"] == 0.5
+    assert research["share"] == {"CPU": 4.0} and research["in_use"] == {"CPU": 6.0}
+    assert research["borrowed"] == {"CPU": 2.0}
+    assert research["counts"] == {"running": 3, "queued": 2}
+    assert [job["id"] for job in research["jobs"]] == waiting
+    assert [job["position"] for job in research["jobs"]] == [1, 2]
+    assert research["jobs"][0]["reason"].startswith("needs 3 worker(s) x 1 CPU + 1 CPU; free now 2 CPU")
+    assert queues["full-scale"]["counts"] == {} and queues["full-scale"]["jobs"] == []
+
+
+def test_one_replica_schedules_at_a_time_and_another_takes_over_when_its_lease_runs_out(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    leader = service.runtime.scheduler
+    other = Scheduler(db=leader.db, backend=service.backend, settings=leader.settings, holder="other")
+    first = service.submit(spec)
+    leader.tick()
+    other.tick()
+    assert leader.is_leader and not other.is_leader
+    assert len(service.backend.submitted) == 1 and service.job(first["id"])["attempt"] == 1
+    second = service.submit({**spec, "name": "second"})
+    other.tick()  # not the leader: admits nothing
+    assert service.job(second["id"])["state"] == "queued"
+    # The leader stops renewing (it died): once its lease has run out, the other one schedules.
+    other.tick(time.time() + leader.settings.scheduler_lease_s + 1)
+    assert other.is_leader
+    assert service.job(second["id"])["state"] == "admitted"
+    assert [launch.job_id for _, launch in service.backend.submitted] == [first["id"], second["id"]]
