@@ -262,8 +262,11 @@ def decide(
             break
 
     # 5. Backfill and borrowing, behind the heads.
+    shapes = {gang.shape for gang in queued}
     for queue, line in lines.items():
         for gang in line:
+            if shapes <= state.failed_shapes:
+                break  # no waiting job fits any more (free capacity only shrinks)
             if gang.job_id in started or gang.job_id in awaiting_room or not state.fits(gang):
                 continue
             within = state.within_share(gang)
@@ -474,7 +477,9 @@ class _State:
                 if entry.gang.queue == other
                 and not entry.gang.stopping
                 and entry.gang.started_at is not None
-                and now - entry.gang.started_at >= min_runtime_s
+                # A job that started in this very pass has lost nothing yet and gained nothing either:
+                # preempting it could only ping-pong.
+                and now - entry.gang.started_at >= max(min_runtime_s, EPSILON)
                 and entry.gang.priority <= head.priority
                 and not (self.rules.protect_larger_than_share and self.larger_than_share(entry.gang))
             ),
@@ -610,9 +615,9 @@ def _explain(
             f"reserved from {_clock(at)}" if at is not None else "no running job is known to end"
         )
         behind = f"waiting behind job {head.job_id} (head of queue {queue})"
-        eta = etas.get
+        eta, make = etas.get, tuple.__new__  # Wait(...) without its Python-level __new__: 10,000 of them
         waiting.update(
-            (gang.job_id, Wait(position, behind, eta(gang.job_id)))
+            (gang.job_id, make(Wait, (position, behind, eta(gang.job_id))))
             for position, gang in enumerate(waiting_line[1:], start=2)
         )
         waiting[head.job_id] = Wait(1, reason, at)

@@ -53,9 +53,16 @@ def apiary_bin() -> str:
     return str(Path(sys.executable).parent / "apiary")
 
 
-def start_serve(*, data_dir: Path, database_url: str, log: Path, timeout_s: float = 120) -> Served:
+def start_serve(
+    *,
+    data_dir: Path,
+    database_url: str,
+    log: Path,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 120,
+) -> Served:
     port = free_port()
-    env = {**os.environ, "APIARY_DATA_DIR": str(data_dir), "APIARY_DATABASE_URL": database_url}
+    env = {**os.environ, "APIARY_DATA_DIR": str(data_dir), "APIARY_DATABASE_URL": database_url, **(env or {})}
     with log.open("wb") as out:
         process = subprocess.Popen(
             [apiary_bin(), "serve", "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT

@@ -1,0 +1,112 @@
+"""Two `apiary serve` replicas on one PostgreSQL and one Ray cluster: one schedules at a time, the other
+takes over within seconds when the leader is SIGKILLed, no job is admitted twice, and the cluster is
+never over-committed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from api.client import ApiaryClient
+from api.demo import classification_table, write_shards
+from tests.e2e.conftest import Served, start_serve, stop_serve
+from tests.support.wait import wait_until
+
+pytestmark = [pytest.mark.timeout(420)]
+
+# Each job is 1 worker + 1 data CPU on the local Ray's 8 CPUs: at most 4 at once.
+CAPACITY = 4
+
+
+@pytest.fixture
+def replicas(tmp_path: Path, postgres_url: str) -> Iterator[tuple[Served, Served, str]]:
+    first = start_serve(data_dir=tmp_path / "a", database_url=postgres_url, log=tmp_path / "a.log")
+    ray = first.ray_state()
+    second = start_serve(
+        data_dir=tmp_path / "b",
+        database_url=postgres_url,
+        log=tmp_path / "b.log",
+        env={
+            "APIARY_RAY_ADDRESS": ray["dashboard_url"],
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": ray["auth_token_path"],
+        },
+    )
+    try:
+        yield first, second, postgres_url
+    finally:
+        for served in (second, first):  # the first one owns the local Ray: it stops last
+            if served.process.poll() is None:
+                stop_serve(served)
+        if first.process.returncode == -signal.SIGKILL:
+            os.killpg(int(ray["pid"]), signal.SIGKILL)  # its Ray outlived it, by design
+
+
+def lease_holder(database_url: str) -> str | None:
+    engine = create_engine(database_url)
+    with engine.connect() as connection:
+        holder = connection.execute(text("SELECT holder, expires_at FROM scheduler_leases")).first()
+    engine.dispose()
+    return None if holder is None else str(holder[0])
+
+
+def test_one_replica_schedules_and_the_other_takes_over_when_it_is_killed(
+    replicas: tuple[Served, Served, str], tmp_path: Path
+) -> None:
+    first, second, database_url = replicas
+    dataset = (tmp_path / "classes").as_uri()
+    write_shards(classification_table(num_rows=256, num_features=8, num_classes=3), dataset, num_shards=2)
+    spec: dict[str, Any] = {
+        "name": "replica",
+        "trainer": "mlp",
+        "num_workers": 1,
+        "dataset": {"uri": dataset},
+        "max_steps": 10,
+        "batch_size": 8,
+        "config": {"num_classes": 3},
+    }
+    holder = wait_until(lambda: lease_holder(database_url), timeout_s=30, what="a scheduler lease")
+    pids = {first.process.pid: first, second.process.pid: second}
+    leader = next(served for pid, served in pids.items() if f":{pid}:" in holder)
+    follower = second if leader is first else first
+
+    with ApiaryClient(follower.url, user="e2e") as client:  # any replica takes submissions
+        jobs = [client.submit({**spec, "name": f"replica-{i}"})["id"] for i in range(6)]
+        wait_until(
+            lambda: sum(client.get(job)["state"] != "queued" for job in jobs) >= 2,
+            timeout_s=120,
+            what="the first admissions",
+        )
+        killed_at = time.monotonic()
+        leader.process.kill()  # SIGKILL: no clean shutdown, its lease just stops being renewed
+        leader.process.wait(30)
+        new_holder = wait_until(
+            lambda: (h := lease_holder(database_url)) is not None and f":{follower.process.pid}:" in h and h,
+            timeout_s=30,
+            what="the follower taking the lease",
+        )
+        takeover_s = time.monotonic() - killed_at
+        assert new_holder and takeover_s < 15, takeover_s
+        finished = [client.wait(job, timeout_s=300) for job in jobs]
+        assert all(job["state"] == "succeeded" for job in finished), [j["message"] for j in finished]
+        events = {job: client.events(job) for job in jobs}
+
+    for job, job_events in events.items():
+        admissions = [event for event in job_events if event["to_state"] == "admitted"]
+        assert len(admissions) == 1, (job, job_events)  # never admitted twice
+    # Never over-committed: at every admission, at most CAPACITY jobs were admitted or running.
+    spans = []
+    for job_events in events.values():
+        start = next(datetime.fromisoformat(e["at"]) for e in job_events if e["to_state"] == "admitted")
+        end = next(datetime.fromisoformat(e["at"]) for e in job_events if e["to_state"] == "succeeded")
+        spans.append((start, end))
+    for start, _ in spans:
+        assert sum(1 for other_start, other_end in spans if other_start <= start < other_end) <= CAPACITY
