@@ -93,7 +93,7 @@ SCHEDULING_COLUMNS = (
     Job.state,
     Job.owner,
     Job.created_at,
-    Job.started_at,
+    Job.admitted_at,
     Job.last_checkpoint_at,
     Job.latest_step,
     Job.seconds_per_step,

@@ -76,7 +76,6 @@ class Scheduler:
         self.queues = settings.queues
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.is_leader = False
-        self.last_decisions: Decisions | None = None
         self._templates: dict[int, Gang] = {}  # what a job's (immutable) spec says of its gang
         self._max_steps: dict[int, int] = {}
         self._stop = threading.Event()
@@ -241,7 +240,7 @@ class Scheduler:
             for row in active
             if row.state is JobState.RUNNING
             and (runtime := self._templates[row.id].max_runtime_s) is not None
-            and now - (to_time(row.started_at) or now) >= runtime
+            and now - (to_time(row.admitted_at) or now) >= runtime
         ]
         unresponsive = [
             row.ray_submission_id
@@ -282,6 +281,9 @@ class Scheduler:
             rows = repository.scheduling_rows(session)
             self._learn_specs(session, [row.id for row in rows])
             stored_usage = repository.owner_usage(session)
+        live = {row.id for row in rows}
+        for job_id in self._templates.keys() - live:  # ended: its template is not needed again
+            del self._templates[job_id], self._max_steps[job_id]
         waiting_before = {
             row.id: (row.queue_position, row.waiting_reason, _rounded(to_time(row.eta_at)))
             for row in rows
@@ -294,7 +296,6 @@ class Scheduler:
         decisions = decide(
             cluster=cluster, queued=queued, active=active, now=now, queues=self.queues, usage=usage
         )
-        self.last_decisions = decisions
         for victim in decisions.preempt:
             self._preempt(victim)
         for job_id in decisions.admit:
@@ -319,9 +320,10 @@ class Scheduler:
             self._max_steps[job_id] = spec.max_steps
 
     def _gang(self, row: Any, *, now: float) -> Gang:
-        """An active job as the policy sees it: its gang, and its progress."""
+        """An active job as the policy sees it: its gang, and its progress. Its attempt started when it
+        was admitted (`started_at` is the job's first start, before any preemption)."""
         template = self._templates[row.id]
-        started_at = to_time(row.started_at) if row.state is not JobState.ADMITTED else None
+        started_at = to_time(row.admitted_at) if row.state is not JobState.ADMITTED else None
         return replace(
             template,
             started_at=started_at,

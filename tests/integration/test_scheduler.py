@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
+from service import repository
 from service.cluster import RayJobStatus
 from service.scheduler import Scheduler
 from tests.integration.conftest import Service
@@ -166,3 +168,16 @@ def test_one_replica_schedules_at_a_time_and_another_takes_over_when_its_lease_r
     assert other.is_leader
     assert service.job(second["id"])["state"] == "admitted"
     assert [launch.job_id for _, launch in service.backend.submitted] == [first["id"], second["id"]]
+
+
+def test_max_runtime_counts_from_the_current_attempt_not_the_first_start(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    job = service.submit({**spec, "max_runtime_s": 600})
+    run_to_running(service, [job["id"]])
+    with service.runtime.scheduler.db.session() as session:  # its first attempt started long ago
+        repository.get_job(session, job["id"]).started_at = datetime.now(UTC) - timedelta(hours=2)
+    service.tick()
+    assert service.job(job["id"])["state"] == "running"
+    service.tick(time.time() + 601)
+    assert service.job(job["id"])["state"] == "preempting"
