@@ -13,7 +13,9 @@ expiry, renewed every tick; another replica takes over once it expires):
    `policy.decide`, then preempt (running -> preempting: the trainers hear it in the reply to their
    next telemetry post, checkpoint at the next step boundary and exit), admit (commit
    `queued -> admitted` with a new attempt and Ray submission id BEFORE submitting, so a crash in
-   between leaves a record the next reconcile repairs, never an untracked Ray job), and store every
+   between leaves a record the next reconcile repairs, never an untracked Ray job; after submitting
+   it checks the row again and stops its submission if a replica that took the lease meanwhile
+   requeued the job, so one attempt runs at a time), and store every
    waiting job's position, reason and ETA (changed rows only, one statement).
 
 Every decision is written in a transaction that first checks, with the lease row locked, that this
@@ -156,8 +158,13 @@ class Scheduler:
                 if not self._fenced(session):
                     return
                 job = repository.get_job(session, job_id, for_update=True)
-                if job.ray_submission_id == submission_id and job.state in ACTIVE_STATES:
-                    self._apply(session, job, info.status, reason)
+                if job.ray_submission_id != submission_id or job.state not in ACTIVE_STATES:
+                    continue
+                if info.status is RayJobStatus.MISSING:
+                    # Ask again under the row lock: a replica that admitted the job may be submitting
+                    # it right now, and it checks this row after submitting (`_admit_one`).
+                    info = self.backend.job_info(submission_id)
+                self._apply(session, job, info.status, reason)
 
     def _apply(self, session: Session, job: Job, status: RayJobStatus, reason: str) -> None:
         move = repository.transition
@@ -453,7 +460,7 @@ class Scheduler:
         except Exception as err:
             with self.db.session() as session:
                 job = repository.get_job(session, job_id, for_update=True)
-                if job.state is JobState.ADMITTED:
+                if job.state is JobState.ADMITTED and job.ray_submission_id == submission_id:
                     repository.transition(
                         session,
                         job,
@@ -463,8 +470,12 @@ class Scheduler:
                     )
             return
         with self.db.session() as session:
-            cancelled = repository.get_job(session, job_id).state is JobState.CANCELLED
-        if cancelled:  # cancelled between admission and submission: the cancel found no Ray job to stop
+            job = repository.get_job(session, job_id, for_update=True)
+            # Cancelled between admission and submission (the cancel found no Ray job to stop), or
+            # requeued by a replica that took the lease meanwhile and found no Ray job: this
+            # submission is not the job's any more.
+            orphaned = job.state is JobState.CANCELLED or job.ray_submission_id != submission_id
+        if orphaned:
             self.backend.stop(submission_id)
 
 

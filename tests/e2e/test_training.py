@@ -1,4 +1,5 @@
-"""Through HTTP to a real local Ray: submit, train on 2 workers, checkpoint; cancel; fail clearly."""
+"""Through HTTP to a real local Ray: submit, train on 2 workers, checkpoint; preempt and resume
+exactly; cancel; fail clearly."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from api.demo import classification_table, write_shards
 from service.states import TERMINAL_STATES
 from tests.e2e.conftest import Served, start_serve, stop_serve
 from tests.support.wait import wait_until
+from trainers.checkpoint import build_model_from_checkpoint, load_checkpoint
 
 pytestmark = [pytest.mark.timeout(420)]
 
@@ -79,7 +81,6 @@ def test_a_two_worker_job_trains_to_a_checkpoint_that_loads(
     assert job["latest_checkpoint_step"] == 30
     checkpoint = Path(urlparse(job["latest_checkpoint"]).path)
     assert checkpoint.is_dir()
-    from trainers.checkpoint import build_model_from_checkpoint, load_checkpoint
 
     state = load_checkpoint(checkpoint)
     assert state["step"] == 30
@@ -123,8 +124,6 @@ def test_a_preempted_job_resumes_from_its_checkpoint_and_ends_as_an_uninterrupte
     whole_loss = {p["step"]: p["values"]["loss"] for p in client.metrics(whole["id"], rank=0)}
     resumed_loss = {p["step"]: p["values"]["loss"] for p in points if p["attempt"] == 2}
     assert resumed_loss == {step: whole_loss[step] for step in resumed_loss}
-    from trainers.checkpoint import build_model_from_checkpoint
-
     final = build_model_from_checkpoint(urlparse(job["latest_checkpoint"]).path).state_dict()
     reference = build_model_from_checkpoint(urlparse(whole["latest_checkpoint"]).path).state_dict()
     assert all(torch.equal(final[name], tensor) for name, tensor in reference.items())

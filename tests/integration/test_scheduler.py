@@ -181,3 +181,26 @@ def test_max_runtime_counts_from_the_current_attempt_not_the_first_start(
     assert service.job(job["id"])["state"] == "running"
     service.tick(time.time() + 601)
     assert service.job(job["id"])["state"] == "preempting"
+
+
+def test_a_submission_that_lands_after_another_replica_requeued_the_job_is_stopped(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    leader = service.runtime.scheduler
+    other = Scheduler(db=leader.db, backend=service.backend, settings=leader.settings, holder="other")
+    job = service.submit(spec)
+    submit = service.backend.submit
+
+    def stalled_submit(**kwargs: Any) -> None:
+        # The leader stalls between admitting and submitting; its lease runs out, the other replica
+        # takes over, finds no Ray job for the admission, requeues the job and submits attempt 2.
+        service.backend.submit = submit
+        other.tick(time.time() + leader.settings.scheduler_lease_s + 1)
+        submit(**kwargs)  # then the stalled submission reaches Ray after all
+
+    service.backend.submit = stalled_submit  # type: ignore[method-assign]
+    leader.tick()
+    (readmitted, _), (late, _) = service.backend.submitted  # attempt 2 reached Ray first
+    assert service.backend.stopped == [late]  # the leader stopped its own late submission
+    job = service.job(job["id"])
+    assert (job["state"], job["attempt"], job["ray_submission_id"]) == ("admitted", 2, readmitted)
