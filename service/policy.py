@@ -639,7 +639,7 @@ def _estimate_etas(
         if entry.end_at is not None
     ]
     heapq.heapify(ends)
-    counter = itertools.count(len(ends))
+    counter = itertools.count(len(state.active))  # after every index above: ties never compare dicts
     etas: dict[int, float | None] = {}
     clock = now
     waiting = [[gang for gang in line if gang.job_id not in started][:ETA_HORIZON] for line in lines.values()]

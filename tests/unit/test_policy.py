@@ -289,6 +289,17 @@ def test_every_waiting_job_has_a_position_a_reason_and_an_eta_when_something_end
     assert [decisions.waiting[i].eta for i in range(2, 6)] == [NOW + 100, NOW + 100, NOW + 150, NOW + 150]
 
 
+def test_etas_when_running_jobs_without_a_known_end_come_first_and_ends_tie() -> None:
+    active = [
+        running(1, 4, queue="full-scale"),  # no known end
+        running(2, 4, queue="full-scale", expected_end_at=NOW + 100),
+        running(3, 4, queue="full-scale", expected_end_at=NOW + 200),
+    ]
+    line = [gang(4, 3, queue="full-scale", max_runtime_s=100), gang(5, 4, queue="full-scale")]
+    decisions = run(cluster(12), line, active)  # job 4 would end when job 3 does
+    assert [decisions.waiting[i].eta for i in (4, 5)] == [NOW + 100, NOW + 200]
+
+
 def test_the_same_inputs_give_the_same_decisions() -> None:
     active = [running(1, 4, last_checkpoint_at=NOW - 60), running(2, 4)]
     queued = [gang(i, 2, queue="full-scale" if i % 2 else "research") for i in range(3, 12)]
