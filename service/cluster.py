@@ -140,6 +140,20 @@ class RayBackend:
             raise ClusterUnavailable(f"cannot stop Ray job {submission_id}: {err}") from err
 
 
+def stop_job(backend: ClusterBackend, submission_id: str) -> None:
+    """Ask Ray to stop a job. A cluster that cannot be reached is logged, not raised: the caller's
+    database change stands (a job Apiary still tracks is stopped again by the reconciler)."""
+    try:
+        backend.stop(submission_id)
+    except ClusterUnavailable as err:
+        logger.error(
+            "could not stop Ray job %s: %s",
+            submission_id,
+            err,
+            extra={"action": "ray_stop_failed", "submission_id": submission_id},
+        )
+
+
 def _schedulable(resources: dict[str, float]) -> dict[str, float]:
     # Ray's bookkeeping resources (node:<ip>, memory, object store) are not what jobs ask for.
     return {

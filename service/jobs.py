@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from service import repository
-from service.cluster import ClusterBackend
+from service.cluster import ClusterBackend, stop_job
 from service.db import Database
 from service.errors import ClusterUnavailable, InvalidSpec, InvalidTransition, Unschedulable
 from service.models import Job, JobEvent, Metric
@@ -86,19 +86,8 @@ class JobService:
                 session, job, JobState.CANCELLED, actor=actor, reason=f"cancelled by {actor}"
             )
         if submission_id:
-            self.stop_ray_job(submission_id)
+            stop_job(self.backend, submission_id)
         return job
-
-    def stop_ray_job(self, submission_id: str) -> None:
-        try:
-            self.backend.stop(submission_id)
-        except ClusterUnavailable as err:
-            logger.error(
-                "could not stop Ray job %s: %s",
-                submission_id,
-                err,
-                extra={"action": "ray_stop_failed", "submission_id": submission_id},
-            )
 
     def preempt(self, job_id: int, *, actor: str) -> Job:
         """Tell a running job to checkpoint and stop; it goes back to the queue in its place."""

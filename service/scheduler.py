@@ -40,7 +40,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from service import repository
-from service.cluster import ClusterBackend, RayJobStatus
+from service.cluster import ClusterBackend, RayJobStatus, stop_job
 from service.db import Database
 from service.errors import ClusterUnavailable
 from service.jobs import gang_for
@@ -265,10 +265,7 @@ class Scheduler:
                 grace_s,
                 extra={"action": "stop_forced", "submission_id": submission_id},
             )
-            try:
-                self.backend.stop(submission_id)
-            except ClusterUnavailable as err:
-                logger.error("could not stop Ray job %s: %s", submission_id, err)
+            stop_job(self.backend, submission_id)
 
     def request_stop(self, job_id: int, why: StopReason, *, reason: str) -> bool:
         """running -> preempting (service.states), if this replica still schedules."""
@@ -476,7 +473,7 @@ class Scheduler:
             # submission is not the job's any more.
             orphaned = job.state is JobState.CANCELLED or job.ray_submission_id != submission_id
         if orphaned:
-            self.backend.stop(submission_id)
+            stop_job(self.backend, submission_id)
 
 
 def _utc(timestamp: float) -> datetime:

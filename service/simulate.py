@@ -33,7 +33,7 @@ import io
 import math
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TextIO
 
 import numpy as np
@@ -330,22 +330,12 @@ def simulate(
 
 def _active_gang(run: _Run, *, now: float) -> Gang:
     started = run.started_at if run.started_at is not None else now
-    every = run.job.checkpoint_every_s
-    since_start = now - started
     # The last periodic checkpoint of this run, as a time (None before its first one).
-    last = started + (math.floor((run.done_s + since_start) / every) * every - run.done_s)
-    gang = run.gang
-    return Gang(
-        job_id=gang.job_id,
-        queue=gang.queue,
-        priority=gang.priority,
-        num_workers=gang.num_workers,
-        per_worker=gang.per_worker,
-        owner=gang.owner,
-        submitted_at=gang.submitted_at,
-        max_runtime_s=gang.max_runtime_s,
+    saved = run.last_checkpoint(now)
+    return replace(
+        run.gang,
         started_at=started,
-        last_checkpoint_at=last if last >= started else None,
+        last_checkpoint_at=started + saved - run.done_s if saved >= run.done_s else None,
         expected_end_at=started + run.job.duration_s - run.done_s,
     )
 
