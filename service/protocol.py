@@ -89,12 +89,36 @@ class CheckpointRecord(Strict):
     uri: str
 
 
+class TrainerEvent(Strict):
+    """A fact a rank saw that belongs in the job's timeline; the service writes it as a job event.
+
+    `kind` names it for programs (e.g. `group_started`, `worker_failed`, `anomaly`, `rollback`);
+    `message` is the line a person reads; `data` carries its numbers (e.g. `resumed_from`).
+    """
+
+    kind: str = Field(pattern=r"^[a-z][a-z_]{0,31}$")
+    step: int = Field(ge=0, description="The step it happened at (for group_started: resumed from).")
+    rank: int = Field(ge=0)
+    time: float = Field(description="Unix time in seconds.")
+    message: str = Field(max_length=MAX_REASON_CHARS)
+    data: dict[str, float | int | str] = Field(default_factory=dict)
+
+
 class TelemetryBatch(Strict):
     """One post from a trainer rank to the control plane."""
 
     attempt: int = Field(ge=1)
+    segment: int = Field(
+        default=0,
+        ge=0,
+        description="Which start of the worker group within the attempt sent it: rank 0's start time "
+        "in milliseconds, shared by every rank, so a later restart has a larger one; 0 = not known "
+        "(a custom trainer). Ray Train restarts a group from its latest checkpoint, so steps repeat: "
+        "(attempt, segment) tells the replayed points from the abandoned ones.",
+    )
     points: list[MetricPoint] = Field(default_factory=list, max_length=10_000)
     checkpoint: CheckpointRecord | None = None
+    events: list[TrainerEvent] = Field(default_factory=list, max_length=100)
 
 
 class TelemetryReply(Strict):

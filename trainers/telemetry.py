@@ -4,16 +4,21 @@ Each rank owns one `Telemetry` (`service.protocol`'s telemetry channel). The tra
 `record()` once per step (cheap: an append under a lock); once started, a background thread posts
 the buffered points as a `TelemetryBatch` JSON to the job's telemetry URL about once a second, or
 sooner when 200 points are waiting, and `close()` posts the rest. Rank 0 also calls
-`checkpoint_saved()` right after a checkpoint is persisted, which wakes the thread. Until `start()`
-(or `with`), nothing is posted but by an explicit `flush()`. A reply that says `stop` (the job was
-preempted or ran out of runtime) sets `stop_requested`, which the train loop reads every step.
+`checkpoint_saved()` right after a checkpoint is persisted, which wakes the thread, and any rank
+`event()` for a fact that belongs in the job's timeline (a group start, an anomaly). Every post
+carries the attempt and the worker group's `segment` (`service.protocol.TelemetryBatch`), set once
+the ranks agreed on it. Until `start()` (or `with`), nothing is posted but by an explicit
+`flush()`. A reply that says `stop` (the job was preempted or ran out of runtime) sets
+`stop_requested`, which the train loop reads every step.
 
 A NaN or infinite value is left out of its point (with a warning): the JSON of a TelemetryBatch
 cannot carry it, and the control plane would refuse the whole batch.
 
 The control plane being down must never stop or slow training: a failed post keeps its points for
 the next flush, the buffer is bounded (the oldest points are dropped, with a warning, beyond
-`max_buffered_points`), and posting happens off the training thread with a short timeout. A
+`max_buffered_points`), and posting happens off the training thread with a short timeout. At the
+end, `close()` keeps retrying for up to `close_retry_s` (the service may be restarting), so the last
+points and the last checkpoint of a job that ends during an outage still arrive. A
 response in the 4xx range (other than 408/429) means the batch itself was refused; resending it
 cannot succeed, so it is dropped with a warning instead of blocking everything behind it.
 """
@@ -30,14 +35,31 @@ from types import TracebackType
 import httpx
 from pydantic import ValidationError
 
-from service.protocol import CheckpointRecord, MetricPoint, TelemetryBatch, TelemetryReply
+from service.protocol import (
+    CheckpointRecord,
+    MetricPoint,
+    TelemetryBatch,
+    TelemetryReply,
+    TrainerEvent,
+    clip_reason,
+)
 
 logger = logging.getLogger(__name__)
 
+
 # TelemetryBatch refuses more points than this in one post (read from the schema so the two cannot drift).
-MAX_POINTS_PER_POST: int = next(
-    rule.max_length for rule in TelemetryBatch.model_fields["points"].metadata if hasattr(rule, "max_length")
-)
+def _max_length(field: str) -> int:
+    return int(
+        next(
+            rule.max_length
+            for rule in TelemetryBatch.model_fields[field].metadata
+            if hasattr(rule, "max_length")
+        )
+    )
+
+
+MAX_POINTS_PER_POST: int = _max_length("points")
+MAX_EVENTS_PER_POST: int = _max_length("events")
 
 
 class Telemetry:
@@ -51,15 +73,19 @@ class Telemetry:
         flush_points: int = 200,
         max_buffered_points: int = 50_000,
         timeout_s: float = 5.0,
+        close_retry_s: float = 120.0,
     ) -> None:
         self.url = url
         self.attempt = attempt
         self.rank = rank
+        self.segment = 0  # set by the train loop once the ranks agreed on it
+        self.close_retry_s = close_retry_s
         self.flush_interval_s = flush_interval_s
         self.flush_points = flush_points
         self.max_buffered_points = max_buffered_points
         self._points: deque[MetricPoint] = deque()
         self._checkpoints: deque[CheckpointRecord] = deque()
+        self._events: deque[TrainerEvent] = deque()
         self._lock = threading.Lock()  # guards the two buffers
         self._send_lock = threading.Lock()  # one flush at a time (thread vs close)
         self._wake = threading.Event()
@@ -115,23 +141,43 @@ class Telemetry:
             self._checkpoints.append(CheckpointRecord(step=step, uri=uri))
         self._wake.set()
 
+    def event(self, kind: str, *, step: int, message: str, **data: float | int | str) -> None:
+        """Tell the control plane a fact for the job's timeline (posted with the next batch)."""
+        logger.info("%s at step %d: %s", kind, step, message)
+        record = TrainerEvent(
+            kind=kind, step=step, rank=self.rank, time=time.time(), message=clip_reason(message), data=data
+        )
+        with self._lock:
+            self._events.append(record)
+        self._wake.set()
+
     @property
     def pending_points(self) -> int:
         with self._lock:
             return len(self._points)
 
     def close(self) -> None:
-        """Stop the thread and post what is left (one try); idempotent."""
+        """Stop the thread and post what is left, retrying for up to `close_retry_s`; idempotent."""
         if self._closed.is_set():
             return
         self._closed.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
-        if not self.flush():
-            left = self.pending_points
-            if left:
-                logger.warning("closing with %d metric points the control plane never received", left)
+        deadline = time.monotonic() + self.close_retry_s
+        delivered = self.flush()
+        while not delivered and self.url is not None and time.monotonic() < deadline:
+            time.sleep(min(self.flush_interval_s, max(0.0, deadline - time.monotonic())))
+            delivered = self.flush()
+        if not delivered:
+            with self._lock:
+                left = len(self._points), len(self._checkpoints), len(self._events)
+            logger.warning(
+                "closing after %g s of retries with %d metric points, %d checkpoint record(s) and %d "
+                "event(s) the control plane never received",
+                self.close_retry_s,
+                *left,
+            )
         if self._client is not None:
             self._client.close()
 
@@ -154,11 +200,20 @@ class Telemetry:
                         self._points.popleft() for _ in range(min(len(self._points), MAX_POINTS_PER_POST))
                     ]
                     checkpoint = self._checkpoints.popleft() if self._checkpoints else None
-                if not points and checkpoint is None:
+                    events = [
+                        self._events.popleft() for _ in range(min(len(self._events), MAX_EVENTS_PER_POST))
+                    ]
+                if not points and checkpoint is None and not events:
                     return True
-                batch = TelemetryBatch(attempt=self.attempt, points=points, checkpoint=checkpoint)
+                batch = TelemetryBatch(
+                    attempt=self.attempt,
+                    segment=self.segment,
+                    points=points,
+                    checkpoint=checkpoint,
+                    events=events,
+                )
                 if not self._post(batch):
-                    self._requeue(points, checkpoint)
+                    self._requeue(points, checkpoint, events)
                     return False
 
     def _post(self, batch: TelemetryBatch) -> bool:
@@ -214,9 +269,12 @@ class Telemetry:
         )
         self._failing = True
 
-    def _requeue(self, points: list[MetricPoint], checkpoint: CheckpointRecord | None) -> None:
+    def _requeue(
+        self, points: list[MetricPoint], checkpoint: CheckpointRecord | None, events: list[TrainerEvent]
+    ) -> None:
         with self._lock:
             self._points.extendleft(reversed(points))
+            self._events.extendleft(reversed(events))
             if checkpoint is not None:
                 self._checkpoints.appendleft(checkpoint)
             self._enforce_bound()

@@ -45,11 +45,32 @@ def test_unreachable_control_plane_never_raises() -> None:
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    sender = Telemetry(url=f"http://127.0.0.1:{port}/telemetry", attempt=1, rank=0)
+    sender = Telemetry(url=f"http://127.0.0.1:{port}/telemetry", attempt=1, rank=0, close_retry_s=0.5)
     sender.record(1, {"loss": 1.0})
     assert sender.flush() is False
     assert sender.pending_points == 1
     sender.close()
+
+
+def test_close_keeps_retrying_until_the_control_plane_is_back() -> None:
+    # Down for the first 5 posts (about 1 s of retries at the interval below): a job that ends while
+    # the service restarts still delivers its last points, checkpoint and events.
+    server = TelemetryServer(fail_first=5)
+    try:
+        sender = Telemetry(url=server.url, attempt=1, rank=0, flush_interval_s=0.2, close_retry_s=30)
+        sender.segment = 1234
+        sender.record(7, {"loss": 1.0})
+        sender.checkpoint_saved(7, "file:///c/checkpoint_00000007")
+        sender.event("group_started", step=0, message="started", world_size=2)
+        sender.close()
+        assert server.attempts == 6
+        (batch,) = server.batches
+        assert batch["segment"] == 1234
+        assert [p["step"] for p in batch["points"]] == [7]
+        assert batch["checkpoint"]["step"] == 7
+        assert [(e["kind"], e["data"]) for e in batch["events"]] == [("group_started", {"world_size": 2})]
+    finally:
+        server.close()
 
 
 def test_buffer_is_bounded_and_drops_the_oldest(caplog: pytest.LogCaptureFixture) -> None:
