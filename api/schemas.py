@@ -34,8 +34,14 @@ class JobPublic(BaseModel):
     )
     eta_at: datetime | None = Field(description="When it is expected to start (an estimate), while queued.")
     latest_step: int | None
-    stop_requested: str | None = Field(description="preempted | user | max_runtime, while preempting.")
+    stop_requested: str | None = Field(
+        description="preempted | user | max_runtime | shutdown, while preempting."
+    )
     preemptions: int
+    restarts: int = Field(description="Worker-group restarts inside Ray Train (a worker died).")
+    failures: int = Field(
+        description="Failures counted against the spec's max_failures: restarts, lost drivers and Ray jobs."
+    )
     created_at: datetime
     updated_at: datetime
     admitted_at: datetime | None
@@ -78,6 +84,7 @@ class MetricPublic(BaseModel):
     step: int
     rank: int
     attempt: int
+    segment: int = Field(description="The worker-group start within the attempt that trained this step.")
     time: float
     values: dict[str, float]
 

@@ -15,7 +15,7 @@ from service.db import Database
 from service.errors import ClusterUnavailable, InvalidSpec, InvalidTransition, Unschedulable
 from service.models import Job, JobEvent, Metric
 from service.policy import ClusterSnapshot, Gang, capacity_text, fits_empty_cluster
-from service.protocol import TelemetryBatch, TelemetryReply
+from service.protocol import GROUP_STARTED, TelemetryBatch, TelemetryReply
 from service.queues import QueueConfig
 from service.settings import Settings
 from service.spec import BUILTIN_TRAINERS, JobSpec, Queue
@@ -36,6 +36,14 @@ class QueueView:
     borrowed: dict[str, float]
     counts: dict[str, int]  # state -> jobs
     line: list[Job]  # queued jobs in order, the first `limit`
+
+
+def _resumed_from(batch: TelemetryBatch) -> int | None:
+    """The step a worker-group start resumed from: its start event, else the step before its first point."""
+    for event in batch.events:
+        if event.kind == GROUP_STARTED:
+            return event.step
+    return min(point.step for point in batch.points) - 1 if batch.points else None
 
 
 def gang_for(
@@ -105,8 +113,25 @@ class JobService:
         """Store a trainer rank's telemetry (its metric points, maybe a saved checkpoint); the reply
         tells the rank whether to checkpoint and stop."""
         with self.db.session() as session:
-            job = repository.get_job(session, job_id)
-            stored = repository.add_metrics(session, job, attempt=batch.attempt, points=batch.points)
+            # Locked: two ranks' first posts after a restart must count it once.
+            job = repository.get_job(session, job_id, for_update=True)
+            current = batch.attempt == job.attempt
+            if current:
+                repository.note_segment(
+                    session, job, segment=batch.segment, resumed_from=_resumed_from(batch)
+                )
+            stored = repository.add_metrics(
+                session,
+                job,
+                attempt=batch.attempt,
+                segment=batch.segment,
+                points=batch.points,
+                current=current and batch.segment >= (job.segment or 0),
+            )
+            for event in batch.events:
+                repository.record_event(
+                    session, job, actor=f"rank {event.rank}", reason=f"{event.message} [{event.kind}]"
+                )
             if batch.checkpoint is not None:
                 repository.set_checkpoint(session, job, step=batch.checkpoint.step, uri=batch.checkpoint.uri)
             # Only the attempt that was told to stop: an older attempt's late post changes nothing.
@@ -178,10 +203,17 @@ class JobService:
         min_step: int | None = None,
         max_step: int | None = None,
         limit: int = 10_000,
+        only_counted: bool = True,
     ) -> list[Metric]:
         with self.db.session() as session:
             return repository.list_metrics(
-                session, job_id, rank=rank, min_step=min_step, max_step=max_step, limit=limit
+                session,
+                job_id,
+                rank=rank,
+                min_step=min_step,
+                max_step=max_step,
+                limit=limit,
+                only_counted=only_counted,
             )
 
     def _apply_queue(self, spec: JobSpec) -> JobSpec:

@@ -89,6 +89,13 @@ class Job(Base):
     stop_requested: Mapped[str | None] = mapped_column(String(16))
     stop_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Recovery (service.states): worker-group restarts inside Ray Train (`restarts`), and every failure
+    # counted against the spec's `max_failures` budget (`failures`: restarts, lost drivers, lost Ray
+    # jobs, failed submissions). `segment` is the current attempt's worker-group start (the
+    # TelemetryBatch segment); a larger one is a restart.
+    restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    segment: Mapped[int | None] = mapped_column(BigInteger)
 
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan"
@@ -117,13 +124,18 @@ class JobEvent(Base):
 
 
 class Metric(Base):
-    """One rank's values at one step of one attempt."""
+    """One rank's values at one step of one worker-group start (`segment`) of one attempt.
+
+    A restarted group replays the steps since its checkpoint: the replay is a new segment, and the
+    points of the run that counted are, for each step, those of the latest (attempt, segment).
+    """
 
     __tablename__ = "metrics"
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     attempt: Mapped[int] = mapped_column(Integer)
+    segment: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     step: Mapped[int] = mapped_column(Integer)
     rank: Mapped[int] = mapped_column(Integer)
     time: Mapped[float] = mapped_column(Float)
@@ -131,7 +143,7 @@ class Metric(Base):
 
     __table_args__ = (
         # A trainer re-posts a batch whose answer it lost: the same point twice is one row.
-        UniqueConstraint("job_id", "attempt", "rank", "step", name="uq_metrics_point"),
+        UniqueConstraint("job_id", "attempt", "segment", "rank", "step", name="uq_metrics_point"),
         Index("ix_metrics_job_step", "job_id", "step"),
     )
 

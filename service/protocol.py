@@ -11,8 +11,11 @@ Job → service, two channels:
   `TelemetryReply` carries the control plane's one request back: `stop` (the job was preempted or
   ran out of runtime), on which the ranks checkpoint at their next common step and exit;
 - the end: the Ray job's exit status, and for a failure the last line of its log that starts with
-  `ERROR_PREFIX`, which carries a one-line reason of at most `MAX_REASON_CHARS` that a user can act
-  on (`error_line` writes it, `reason_from_logs` finds it).
+  `ERROR_PREFIX` (the job failed for good: its own code, its data, or its failure budget spent) or
+  `RETRY_PREFIX` (something outside the job failed: the cluster, storage), which carries a one-line
+  reason of at most `MAX_REASON_CHARS` that a user can act on (`error_line` writes it,
+  `failure_from_logs` finds it). A job that died without either line (its driver was killed, its
+  node lost) failed outside its own code too: the service recovers it.
 
 Like `service.spec`, this module needs no SQLAlchemy, FastAPI or Ray: both sides import it.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from dataclasses import dataclass
 
 from pydantic import Field
 
@@ -30,6 +34,7 @@ from service.spec import JobSpec, Strict
 LAUNCH_ENV_VAR = "APIARY_LAUNCH"
 LAUNCH_MODULE = "trainers.launch"
 ERROR_PREFIX = "apiary-error:"
+RETRY_PREFIX = "apiary-retry:"
 # A reason is one line in a log and in the job's API record, not a traceback.
 MAX_REASON_CHARS = 500
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_.]*(Error|Exception)\b.*:")
@@ -40,11 +45,18 @@ class LaunchRequest(Strict):
 
     job_id: int
     attempt: int = Field(ge=1)
+    submission_id: str | None = Field(default=None, description="This attempt's Ray job.")
     spec: JobSpec
     storage_uri: str = Field(description="Root for checkpoints; the run lives at {storage_uri}/{run_name}.")
     run_name: str
     telemetry_url: str | None = Field(description="POST target for TelemetryBatch; None = log only.")
     data_cpus: float = Field(default=1.0, gt=0, description="CPU budget of the job's Ray Data tasks.")
+    failures_left: int | None = Field(
+        default=None,
+        ge=0,
+        description="Worker-group restarts this attempt may take (Ray Train's max_failures): what is "
+        "left of the spec's max_failures after the job's earlier failures; None = all of it.",
+    )
     s3_endpoint_url: str | None = None
     data_trace_dir: str | None = Field(
         default=None,
@@ -89,6 +101,10 @@ class CheckpointRecord(Strict):
     uri: str
 
 
+# The event a worker group's rank 0 posts when it starts (its step: the step it resumed from).
+GROUP_STARTED = "group_started"
+
+
 class TrainerEvent(Strict):
     """A fact a rank saw that belongs in the job's timeline; the service writes it as a job event.
 
@@ -130,18 +146,32 @@ def clip_reason(reason: str) -> str:
     return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
 
 
-def error_line(reason: str) -> str:
+def error_line(reason: str, *, retryable: bool = False) -> str:
     """The last line a failing job writes to its log."""
-    return f"{ERROR_PREFIX} {clip_reason(reason)}"
+    return f"{RETRY_PREFIX if retryable else ERROR_PREFIX} {clip_reason(reason)}"
 
 
-def reason_from_logs(logs: str, fallback: str) -> str:
-    """Why a job failed: its last `error_line`, else the last exception line, else Ray's message."""
+@dataclass(frozen=True)
+class JobFailure:
+    reason: str
+    retryable: bool  # the failure was not the job's own: a new attempt from its checkpoint may succeed
+
+
+def failure_from_logs(logs: str, fallback: str) -> JobFailure:
+    """Why a job failed: its last `error_line`, else the last exception line, else Ray's message.
+
+    Only an `ERROR_PREFIX` line makes it the job's own failure; a job that died without saying why
+    (a killed driver, a lost node) is retryable.
+    """
     lines = [line.strip() for line in logs.splitlines() if line.strip()]
     for line in reversed(lines):
         if line.startswith(ERROR_PREFIX):
-            return line.removeprefix(ERROR_PREFIX).strip()
+            return JobFailure(line.removeprefix(ERROR_PREFIX).strip(), retryable=False)
+        if line.startswith(RETRY_PREFIX):
+            return JobFailure(line.removeprefix(RETRY_PREFIX).strip(), retryable=True)
     for line in reversed(lines):
         if _EXCEPTION_LINE.match(line):
-            return clip_reason(line)
-    return fallback or "the Ray job failed without a message"
+            return JobFailure(clip_reason(line), retryable=True)
+    return JobFailure(
+        clip_reason(fallback) if fallback else "the Ray job failed without a message", retryable=True
+    )

@@ -214,8 +214,8 @@ def transition(
     job.state = target
     for name, value in fields.items():
         setattr(job, name, value)
-    if target is JobState.ADMITTED:
-        job.admitted_at = now
+    if target in (JobState.ADMITTED, JobState.RECOVERING):
+        job.admitted_at = now  # when this attempt was submitted
     elif target is JobState.RUNNING:
         job.started_at = job.started_at or now
     if target.is_terminal:
@@ -260,14 +260,59 @@ def list_events(session: Session, job_id: int) -> list[JobEvent]:
     return list(session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
 
 
-def add_metrics(session: Session, job: Job, *, attempt: int, points: Sequence[MetricPoint]) -> int:
-    """Store points; a point already stored (same attempt, rank, step) is skipped. Returns rows given."""
+def note_segment(session: Session, job: Job, *, segment: int, resumed_from: int | None) -> None:
+    """Take note of the worker-group start (`segment`) of the job's current attempt that posted telemetry.
+
+    The first one of an attempt is remembered; a later one is a restart of the group inside Ray
+    Train (from its latest checkpoint, at `resumed_from`): it counts as a restart and a failure,
+    and its event says how many steps the restart replays. An older one (a late post) changes nothing.
+    """
+    if segment == 0 or (job.segment is not None and segment <= job.segment):
+        return
+    if job.segment is None:
+        job.segment = segment
+        return
+    if resumed_from is None:
+        return  # a post with neither points nor its start event: the next one says where it resumed
+    lost = max(0, (job.latest_step or 0) - resumed_from)
+    job.segment = segment
+    job.restarts += 1
+    job.failures += 1
+    job.latest_step = resumed_from
+    record_event(
+        session,
+        job,
+        actor="ray-train",
+        reason=f"worker group restarted by Ray Train (restart {job.restarts} of the job, failure "
+        f"{job.failures}): resumed from step {resumed_from}, {lost} step(s) to train again",
+    )
+    logger.warning(
+        "job %s: worker group restarted, resumed from step %s (%s steps lost)",
+        job.id,
+        resumed_from,
+        lost,
+        extra={"action": "job_restarted", "job": {"id": job.id, "restarts": job.restarts}},
+    )
+
+
+def add_metrics(
+    session: Session,
+    job: Job,
+    *,
+    attempt: int,
+    points: Sequence[MetricPoint],
+    segment: int = 0,
+    current: bool = True,
+) -> int:
+    """Store points; a point already stored (same attempt, segment, rank, step) is skipped. Returns rows
+    given. Only points of the job's `current` attempt and segment move its progress."""
     if not points:
         return 0
     rows = [
         {
             "job_id": job.id,
             "attempt": attempt,
+            "segment": segment,
             "step": p.step,
             "rank": p.rank,
             "time": p.time,
@@ -276,9 +321,11 @@ def add_metrics(session: Session, job: Job, *, attempt: int, points: Sequence[Me
         for p in points
     ]
     statement = _insert(session)(Metric).on_conflict_do_nothing(
-        index_elements=["job_id", "attempt", "rank", "step"]
+        index_elements=["job_id", "attempt", "segment", "rank", "step"]
     )
     session.execute(statement, rows)
+    if not current:
+        return len(rows)
     latest = max(point.step for point in points)
     if job.latest_step is None or latest > job.latest_step:
         job.latest_step = latest
@@ -306,18 +353,38 @@ def list_metrics(
     max_step: int | None = None,
     attempt: int | None = None,
     limit: int = 10_000,
+    only_counted: bool = False,
 ) -> list[Metric]:
+    """A job's points by step, rank, attempt and segment. `only_counted`: for each (step, rank), only
+    the point of the latest (attempt, segment) that trained it: the curve of the run that counted,
+    without the steps a restart, recovery or preemption trained again."""
     get_job(session, job_id)
-    query = select(Metric).where(Metric.job_id == job_id)
+    conditions = [Metric.job_id == job_id]
     if rank is not None:
-        query = query.where(Metric.rank == rank)
+        conditions.append(Metric.rank == rank)
     if min_step is not None:
-        query = query.where(Metric.step >= min_step)
+        conditions.append(Metric.step >= min_step)
     if max_step is not None:
-        query = query.where(Metric.step <= max_step)
+        conditions.append(Metric.step <= max_step)
     if attempt is not None:
-        query = query.where(Metric.attempt == attempt)
-    query = query.order_by(Metric.step, Metric.rank, Metric.attempt).limit(limit)
+        conditions.append(Metric.attempt == attempt)
+    query = select(Metric).where(*conditions)
+    if only_counted:
+        newest = (
+            select(
+                Metric.id,
+                func.row_number()
+                .over(
+                    partition_by=(Metric.step, Metric.rank),
+                    order_by=(Metric.attempt.desc(), Metric.segment.desc()),
+                )
+                .label("newest"),
+            )
+            .where(*conditions)
+            .subquery()
+        )
+        query = select(Metric).join(newest, Metric.id == newest.c.id).where(newest.c.newest == 1)
+    query = query.order_by(Metric.step, Metric.rank, Metric.attempt, Metric.segment).limit(limit)
     return list(session.scalars(query))
 
 

@@ -46,7 +46,7 @@ from service.errors import ClusterUnavailable
 from service.jobs import gang_for
 from service.models import Job
 from service.policy import ClusterSnapshot, Decisions, Gang, Preemption, decayed_usage, decide, dominant_share
-from service.protocol import LaunchRequest, entrypoint, launch_env, reason_from_logs
+from service.protocol import JobFailure, LaunchRequest, entrypoint, failure_from_logs, launch_env
 from service.settings import Settings
 from service.spec import JobSpec
 from service.states import ACTIVE_STATES, JobState, StopReason
@@ -124,7 +124,7 @@ class Scheduler:
         with self.db.session() as session:
             active = [row for row in repository.scheduling_rows(session) if row.state in ACTIVE_STATES]
             self._learn_specs(session, [row.id for row in active])
-        self.reconcile(active)
+        self.reconcile(active, now)
         self.enforce(active, now)
         self.schedule(now)
 
@@ -140,20 +140,22 @@ class Scheduler:
 
     # -- 1. reconcile ---------------------------------------------------------------------------
 
-    def reconcile(self, active: Sequence[Any]) -> None:
+    def reconcile(self, active: Sequence[Any], now: float | None = None) -> None:
         """Move the active jobs (`repository.scheduling_rows`) to what Ray says of them."""
+        now = time.time() if now is None else now
         for row in active:
             job_id, submission_id = row.id, row.ray_submission_id
             if submission_id is None:
                 continue
             info = self.backend.job_info(submission_id)
-            if info.status is RayJobStatus.PENDING or (
-                info.status is RayJobStatus.RUNNING and row.state is not JobState.ADMITTED
-            ):
+            starting = row.state in STARTING_STATES
+            if info.status is RayJobStatus.PENDING and not (starting and self._start_overdue(row, now)):
+                continue
+            if info.status is RayJobStatus.RUNNING and not starting:
                 continue  # nothing to write: no transaction
-            reason = ""
+            failure = None
             if info.status is RayJobStatus.FAILED:
-                reason = reason_from_logs(self.backend.job_logs(submission_id), info.message)
+                failure = failure_from_logs(self.backend.job_logs(submission_id), info.message)
             with self.db.session() as session:
                 if not self._fenced(session):
                     return
@@ -162,21 +164,61 @@ class Scheduler:
                     continue
                 if info.status is RayJobStatus.MISSING:
                     # Ask again under the row lock: a replica that admitted the job may be submitting
-                    # it right now, and it checks this row after submitting (`_admit_one`).
+                    # it right now, and it checks this row after submitting (`_submit`).
                     info = self.backend.job_info(submission_id)
-                self._apply(session, job, info.status, reason)
+                resubmit = self._apply(session, job, info.status, failure)
+            if resubmit is not None:
+                self._submit(job_id, resubmit)
 
-    def _apply(self, session: Session, job: Job, status: RayJobStatus, reason: str) -> None:
+    def _start_overdue(self, row: Any, now: float) -> bool:
+        admitted_at = to_time(row.admitted_at)
+        return admitted_at is not None and now - admitted_at >= self.settings.start_timeout_s
+
+    def _apply(
+        self, session: Session, job: Job, status: RayJobStatus, failure: JobFailure | None
+    ) -> LaunchRequest | None:
+        """Write what Ray's `status` means for `job`; returns the launch of a recovery to submit."""
         move = repository.transition
         stopping = job.state is JobState.PREEMPTING
-        if status is RayJobStatus.RUNNING and job.state is JobState.ADMITTED:
-            move(session, job, JobState.RUNNING, actor="reconciler", reason="Ray job is running")
-        elif status in (RayJobStatus.SUCCEEDED, RayJobStatus.STOPPED) and stopping:
-            self._finish_stop(session, job, stopped=status is RayJobStatus.STOPPED)
+        starting = job.state in STARTING_STATES
+        if status is RayJobStatus.RUNNING and starting:
+            move(
+                session,
+                job,
+                JobState.RUNNING,
+                actor="reconciler",
+                reason="Ray job is running"
+                if job.state is JobState.ADMITTED
+                else f"attempt {job.attempt} is running: recovered",
+            )
+        elif status is RayJobStatus.PENDING:  # starting, and overdue (reconcile)
+            stop_job(self.backend, job.ray_submission_id or "")
+            move(
+                session,
+                job,
+                JobState.QUEUED,
+                actor="reconciler",
+                reason=f"Ray did not start attempt {job.attempt} within {self.settings.start_timeout_s:g} s "
+                "(its Ray job is still pending: the cluster may lack the resources it reported); "
+                "stopped it and requeued the job in its place",
+                ray_submission_id=None,
+            )
+        elif stopping and status is not RayJobStatus.RUNNING and (failure is None or failure.retryable):
+            lost = {
+                RayJobStatus.SUCCEEDED: None,  # it checkpointed and stopped by itself
+                RayJobStatus.STOPPED: f"stopped after {self.queues.preempt_grace_s:g} s without checkpointing",
+                RayJobStatus.FAILED: "its Ray job failed while stopping",
+                RayJobStatus.MISSING: "Ray lost its Ray job while stopping",
+            }[status]
+            self._finish_stop(session, job, lost=lost)
         elif status is RayJobStatus.SUCCEEDED:
             move(session, job, JobState.SUCCEEDED, actor="reconciler", reason="training finished")
-        elif status is RayJobStatus.FAILED:
-            move(session, job, JobState.FAILED, actor="reconciler", reason=reason)
+        elif failure is not None and failure.retryable:
+            return self._recover(
+                session, job, why=f"the job's Ray job failed outside its code: {failure.reason}"
+            )
+        elif failure is not None:
+            move(session, job, JobState.FAILED, actor="reconciler", reason=failure.reason)
         elif status is RayJobStatus.STOPPED:
             move(
                 session,
@@ -185,7 +227,7 @@ class Scheduler:
                 actor="reconciler",
                 reason="the Ray job was stopped outside Apiary",
             )
-        elif status is RayJobStatus.MISSING and job.state is JobState.ADMITTED:
+        elif status is RayJobStatus.MISSING and starting:
             move(
                 session,
                 job,
@@ -195,23 +237,55 @@ class Scheduler:
                 ray_submission_id=None,
             )
         elif status is RayJobStatus.MISSING:
-            move(
+            return self._recover(
+                session,
+                job,
+                why="Ray has no record of the running job (the cluster was restarted or lost it)",
+            )
+        return None
+
+    def _recover(self, session: Session, job: Job, *, why: str) -> LaunchRequest | None:
+        """A job lost to something outside its code: resubmit it from its latest checkpoint, as a new
+        attempt, while its failure budget lasts (service.states: recovering)."""
+        spec = JobSpec.model_validate(job.spec)
+        if job.failures >= spec.max_failures:
+            repository.transition(
                 session,
                 job,
                 JobState.FAILED,
                 actor="reconciler",
-                reason="Ray has no record of the running job (was the cluster restarted?)",
+                reason=f"{why}; not recovered: its failure budget is spent "
+                f"(max_failures {spec.max_failures}, {job.failures} failure(s) so far)",
             )
+            return None
+        step = job.latest_checkpoint_step
+        attempt = job.attempt + 1
+        submission_id = _submission_id(job.id, attempt)
+        repository.transition(
+            session,
+            job,
+            JobState.RECOVERING,
+            actor="reconciler",
+            reason=f"{why}; resubmitted as attempt {attempt}, resuming from "
+            + (f"its checkpoint at step {step}" if step is not None else "the start (no checkpoint yet)")
+            + f" (failure {job.failures + 1} of at most {spec.max_failures})",
+            attempt=attempt,
+            ray_submission_id=submission_id,
+            failures=job.failures + 1,
+            segment=None,
+        )
+        return self._launch_request(job, spec)
 
-    def _finish_stop(self, session: Session, job: Job, *, stopped: bool) -> None:
-        """A job told to checkpoint and stop has ended: back to the queue, or failed, or done."""
+    def _finish_stop(self, session: Session, job: Job, *, lost: str | None) -> None:
+        """A job told to checkpoint and stop has ended: back to the queue, or failed, or done.
+
+        `lost` says how it ended when it did not stop by itself after its checkpoint."""
         spec = JobSpec.model_validate(job.spec)
         step = job.latest_checkpoint_step
         where = f"checkpoint at step {step}" if step is not None else "no checkpoint"
-        if stopped:
-            lost = max(0, (job.latest_step or 0) - (step or 0))
-            grace_s = self.queues.preempt_grace_s
-            where = f"stopped after {grace_s:g} s without checkpointing: {where}, {lost} step(s) lost"
+        if lost is not None:
+            steps_lost = max(0, (job.latest_step or 0) - (step or 0))
+            where = f"{lost}: {where}, {steps_lost} step(s) lost"
         if step is not None and step >= spec.max_steps:
             repository.transition(
                 session, job, JobState.SUCCEEDED, actor="reconciler", reason=f"reached max_steps ({where})"
@@ -225,16 +299,18 @@ class Scheduler:
                 reason=f"ran out of max_runtime_s ({spec.max_runtime_s:g} s); {where}",
             )
         else:
+            shutdown = job.stop_requested == StopReason.SHUTDOWN
             repository.transition(
                 session,
                 job,
                 JobState.QUEUED,
                 actor="reconciler",
-                reason=f"preempted; requeued in its place, resumes from its {where}",
+                reason=f"{'the service stopped' if shutdown else 'preempted'}; requeued in its place, "
+                f"resumes from its {where}",
                 ray_submission_id=None,
                 stop_requested=None,
                 stop_requested_at=None,
-                preemptions=job.preemptions + 1,
+                preemptions=job.preemptions + (0 if shutdown else 1),
             )
 
     # -- 2. enforce -----------------------------------------------------------------------------
@@ -327,7 +403,7 @@ class Scheduler:
         """An active job as the policy sees it: its gang, and its progress. Its attempt started when it
         was admitted (`started_at` is the job's first start, before any preemption)."""
         template = self._templates[row.id]
-        started_at = to_time(row.admitted_at) if row.state is not JobState.ADMITTED else None
+        started_at = to_time(row.admitted_at) if row.state not in STARTING_STATES else None
         return replace(
             template,
             started_at=started_at,
@@ -419,7 +495,6 @@ class Scheduler:
             if job.state is not JobState.QUEUED:
                 return  # cancelled meanwhile
             attempt = job.attempt + 1
-            submission_id = f"apiary-job-{job.id}-attempt-{attempt}-{secrets.token_hex(3)}"
             spec = JobSpec.model_validate(job.spec)
             repository.transition(
                 session,
@@ -429,22 +504,35 @@ class Scheduler:
                 # An elastic job is admitted on its min gang (service.policy glossary: elastic gang).
                 reason=f"gang of {spec.min_workers} worker(s) fits; submitting attempt {attempt}",
                 attempt=attempt,
-                ray_submission_id=submission_id,
+                ray_submission_id=_submission_id(job.id, attempt),
                 queue_position=None,
                 waiting_reason=None,
                 eta_at=None,
+                segment=None,
             )
-            launch = LaunchRequest(
-                job_id=job.id,
-                attempt=attempt,
-                spec=spec,
-                storage_uri=self.settings.resolved_storage_uri,
-                run_name=run_name(job.id),
-                telemetry_url=f"{self.settings.resolved_public_url}/internal/jobs/{job.id}/telemetry",
-                data_cpus=self.settings.data_cpus_per_job,
-                s3_endpoint_url=self.settings.s3_endpoint_url,
-                data_trace_dir=str(self.settings.data_trace_dir) if self.settings.data_trace_dir else None,
-            )
+            launch = self._launch_request(job, spec)
+        self._submit(job_id, launch)
+
+    def _launch_request(self, job: Job, spec: JobSpec) -> LaunchRequest:
+        """What the attempt `job.attempt` runs (its row already holds the attempt and submission id)."""
+        return LaunchRequest(
+            job_id=job.id,
+            attempt=job.attempt,
+            submission_id=job.ray_submission_id,
+            spec=spec,
+            storage_uri=self.settings.resolved_storage_uri,
+            run_name=run_name(job.id),
+            telemetry_url=f"{self.settings.resolved_public_url}/internal/jobs/{job.id}/telemetry",
+            data_cpus=self.settings.data_cpus_per_job,
+            failures_left=max(0, spec.max_failures - job.failures),
+            s3_endpoint_url=self.settings.s3_endpoint_url,
+            data_trace_dir=str(self.settings.data_trace_dir) if self.settings.data_trace_dir else None,
+        )
+
+    def _submit(self, job_id: int, launch: LaunchRequest) -> None:
+        """Submit an attempt whose row is committed (admitted or recovering, with its submission id)."""
+        submission_id = launch.submission_id
+        assert submission_id is not None
         env_vars = {
             **launch_env(launch),
             # S3 credentials for the driver, the Train workers and the Ray Data tasks, on every node.
@@ -455,16 +543,7 @@ class Scheduler:
         try:
             self.backend.submit(submission_id=submission_id, entrypoint=entrypoint(), env_vars=env_vars)
         except Exception as err:
-            with self.db.session() as session:
-                job = repository.get_job(session, job_id, for_update=True)
-                if job.state is JobState.ADMITTED and job.ray_submission_id == submission_id:
-                    repository.transition(
-                        session,
-                        job,
-                        JobState.FAILED,
-                        actor="scheduler",
-                        reason=f"Ray refused the submission: {err}",
-                    )
+            self._submission_failed(job_id, submission_id, err)
             return
         with self.db.session() as session:
             job = repository.get_job(session, job_id, for_update=True)
@@ -474,6 +553,54 @@ class Scheduler:
             orphaned = job.state is JobState.CANCELLED or job.ray_submission_id != submission_id
         if orphaned:
             stop_job(self.backend, submission_id)
+
+    def _submission_failed(self, job_id: int, submission_id: str, err: Exception) -> None:
+        """A submit call raised: its outcome is unknown (the request may have landed, its answer lost).
+        Ray is asked before anything is decided; only a submission Ray answered and refused fails the
+        job. Otherwise the row stays as it is and the next reconcile decides: a Ray job that exists is
+        tracked, a submission Ray never saw is requeued."""
+        try:
+            status: RayJobStatus | None = self.backend.job_info(submission_id).status
+        except ClusterUnavailable:
+            status = None
+        refused = status is RayJobStatus.MISSING and _refused_by_ray(err)
+        logger.warning(
+            "submission %s of job %s raised %s: %s; %s",
+            submission_id,
+            job_id,
+            type(err).__name__,
+            err,
+            "Ray refused it"
+            if refused
+            else f"Ray says {status.value if status else 'nothing (unreachable)'}",
+            extra={"action": "submit_failed", "submission_id": submission_id},
+        )
+        if not refused:
+            return
+        with self.db.session() as session:
+            job = repository.get_job(session, job_id, for_update=True)
+            if job.state in STARTING_STATES and job.ray_submission_id == submission_id:
+                repository.transition(
+                    session,
+                    job,
+                    JobState.FAILED,
+                    actor="scheduler",
+                    reason=f"Ray refused the submission: {err}",
+                )
+
+
+# The states of a job whose Ray job was submitted and has not been seen running yet.
+STARTING_STATES = frozenset({JobState.ADMITTED, JobState.RECOVERING})
+
+
+def _submission_id(job_id: int, attempt: int) -> str:
+    return f"apiary-job-{job_id}-attempt-{attempt}-{secrets.token_hex(3)}"
+
+
+def _refused_by_ray(err: Exception) -> bool:
+    """Ray's job client raises `RuntimeError("Request failed with status code 4xx: ...")` for a
+    submission it answered and refused; anything else (a connection error, a 5xx) may have landed."""
+    return "status code 4" in str(err)
 
 
 def _utc(timestamp: float) -> datetime:

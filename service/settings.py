@@ -55,6 +55,12 @@ class Settings(BaseSettings):
         default=1.0, gt=0, description="CPUs reserved per job for its Ray Data tasks (part of its gang)."
     )
     scheduler_interval_s: float = Field(default=1.0, gt=0)
+    start_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="A submitted attempt whose Ray job has not started running after this long is "
+        "stopped and the job requeued (e.g. the cluster lost the resources it reported).",
+    )
     queues_file: Path | None = Field(
         default=None, description="YAML/JSON queue configuration over the built-in defaults (service.queues)."
     )

@@ -8,7 +8,12 @@ States (lowercase on the wire):
       │                                                 ▼
       └────────── checkpointed and stopped ───────── preempting ──▶ succeeded | failed
 
-    cancel: from queued, admitted, running or preempting ──▶ cancelled
+                    driver or Ray job lost                      Ray job running
+    admitted | running ─────────────────────▶ recovering ──────────────────▶ running
+                                                  │ not started in time ──▶ queued
+                                                  └ failure budget spent ──▶ failed
+
+    cancel: from queued, admitted, running, preempting or recovering ──▶ cancelled
 
 `admitted` means the scheduler reserved the gang's resources and submitted the
 Ray job; `running` means Ray reports the driver running. A failed submission
@@ -17,8 +22,16 @@ service died between admitting and submitting) goes `admitted → queued`.
 `preempting` means the job was told to checkpoint and stop (`jobs.stop_requested`
 says why: the policy or a user preempted it, or it ran out of `max_runtime_s`);
 it still holds its gang. Once its Ray job has ended it goes back to `queued`
-(preempted: it keeps its place and resumes from that checkpoint), to `failed`
-(out of runtime), or to `succeeded` (it reached `max_steps` first).
+(preempted, or the service is stopping: it keeps its place and resumes from that
+checkpoint), to `failed` (out of runtime), or to `succeeded` (it reached
+`max_steps` first).
+`recovering` means the job's Ray job was lost to something that is not the job's
+own fault (its driver died, the cluster was restarted and forgot it): the
+scheduler resubmitted it as a new attempt that resumes from the latest
+checkpoint, and it holds its gang meanwhile. Each recovery counts against the
+spec's `max_failures`, as do worker-group restarts inside Ray Train (`jobs.failures`);
+once the budget is spent the job fails. A job failed by its own code (an
+exception in the trainer, a bad dataset) fails at once and is not recovered.
 
 Invariants:
 - Only the service changes state, and only through `repository.transition`,
@@ -39,6 +52,7 @@ class JobState(StrEnum):
     ADMITTED = "admitted"
     RUNNING = "running"
     PREEMPTING = "preempting"
+    RECOVERING = "recovering"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -57,16 +71,35 @@ class StopReason(StrEnum):
     PREEMPTED = "preempted"  # by the policy, for another job
     USER = "user"  # POST /jobs/{id}/preempt: back to the queue like a preemption
     MAX_RUNTIME = "max_runtime"  # it ran out of max_runtime_s: failed once stopped
+    SHUTDOWN = "shutdown"  # the service that owns the local Ray is stopping: requeued, not counted
 
 
 ALLOWED: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.ADMITTED, JobState.CANCELLED, JobState.FAILED}),
     # admitted -> queued: the submission never reached Ray (e.g. the service died in between).
     JobState.ADMITTED: frozenset(
-        {JobState.QUEUED, JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+        {
+            JobState.QUEUED,
+            JobState.RUNNING,
+            JobState.RECOVERING,
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+        }
     ),
     JobState.RUNNING: frozenset(
-        {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PREEMPTING}
+        {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PREEMPTING, JobState.RECOVERING}
+    ),
+    # recovering -> recovering: the new attempt was lost too (another failure, within the budget).
+    JobState.RECOVERING: frozenset(
+        {
+            JobState.RUNNING,
+            JobState.RECOVERING,
+            JobState.QUEUED,
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+        }
     ),
     JobState.PREEMPTING: frozenset(
         {JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
@@ -77,7 +110,7 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
 }
 
 #: States whose gang holds cluster resources.
-ACTIVE_STATES = frozenset({JobState.ADMITTED, JobState.RUNNING, JobState.PREEMPTING})
+ACTIVE_STATES = frozenset({JobState.ADMITTED, JobState.RUNNING, JobState.PREEMPTING, JobState.RECOVERING})
 
 
 def can_transition(current: JobState, target: JobState) -> bool:

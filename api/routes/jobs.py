@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, status
 
@@ -68,7 +68,22 @@ def list_metrics(
     min_step: Annotated[int | None, Query(ge=0)] = None,
     max_step: Annotated[int | None, Query(ge=0)] = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+    segments: Annotated[
+        Literal["counted", "all"],
+        Query(
+            description="counted: for each step and rank, the point of the run that counted (the last "
+            "attempt and worker-group start that trained it); all: also the steps that a restart, a "
+            "recovery or a preemption abandoned and trained again."
+        ),
+    ] = "counted",
 ) -> MetricsPublic:
-    """Every stored point (step, rank, attempt, time, values), ordered by step then rank."""
-    points = jobs.list_metrics(job_id, rank=rank, min_step=min_step, max_step=max_step, limit=limit)
+    """Stored points (step, rank, attempt, segment, time, values), ordered by step then rank."""
+    points = jobs.list_metrics(
+        job_id,
+        rank=rank,
+        min_step=min_step,
+        max_step=max_step,
+        limit=limit,
+        only_counted=segments == "counted",
+    )
     return MetricsPublic(data=[MetricPublic.build(point) for point in points], count=len(points))

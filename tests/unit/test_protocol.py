@@ -9,11 +9,12 @@ from service.protocol import (
     ERROR_PREFIX,
     LAUNCH_ENV_VAR,
     MAX_REASON_CHARS,
+    JobFailure,
     LaunchRequest,
     entrypoint,
     error_line,
+    failure_from_logs,
     launch_env,
-    reason_from_logs,
 )
 from tests.support.jobs import make_spec
 
@@ -27,23 +28,25 @@ def test_the_trainers_last_error_line_wins() -> None:
             error_line("real"),
         ]
     )
-    assert reason_from_logs(logs, "ray says") == "real"
+    assert failure_from_logs(logs, "ray says") == JobFailure("real", retryable=False)
 
 
-def test_without_an_error_line_the_last_exception_then_rays_message() -> None:
-    assert (
-        reason_from_logs("noise\nRuntimeError: worker died\nmore noise\n", "ray says")
-        == "RuntimeError: worker died"
+def test_a_retry_line_or_no_line_at_all_is_a_failure_outside_the_job() -> None:
+    logs = "\n".join([error_line("old"), error_line("storage unreachable", retryable=True)])
+    assert failure_from_logs(logs, "") == JobFailure("storage unreachable", retryable=True)
+    # A killed driver writes no line: its last exception, else Ray's message; a new attempt may work.
+    assert failure_from_logs("noise\nRuntimeError: worker died\nmore noise\n", "ray says") == JobFailure(
+        "RuntimeError: worker died", retryable=True
     )
-    assert reason_from_logs("just noise\n", "ray says") == "ray says"
-    assert reason_from_logs("", "") == "the Ray job failed without a message"
+    assert failure_from_logs("just noise\n", "ray says") == JobFailure("ray says", retryable=True)
+    assert failure_from_logs("", "").reason == "the Ray job failed without a message"
 
 
 def test_a_reason_is_one_bounded_line() -> None:
     line = error_line("x" * 5000)
     assert line.startswith(f"{ERROR_PREFIX} ") and line.endswith("...")
-    assert reason_from_logs(line, "") == line.removeprefix(f"{ERROR_PREFIX} ")
-    assert len(reason_from_logs(line, "")) == MAX_REASON_CHARS
+    assert failure_from_logs(line, "").reason == line.removeprefix(f"{ERROR_PREFIX} ")
+    assert len(failure_from_logs(line, "").reason) == MAX_REASON_CHARS
 
 
 def test_launch_request_round_trips_through_the_job_environment() -> None:
