@@ -9,14 +9,13 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-import uvicorn
 from rich.console import Console
 from rich.table import Table
 
+from api import server
 from api.app import create_app
 from api.client import ApiaryClientError
 from api.demo import run_demo_job, write_demo_dataset
-from api.server import BackgroundServer
 from service.cluster import free_port
 from service.errors import one_line
 from service.settings import Settings
@@ -50,7 +49,7 @@ def serve(
     """Start the API, the scheduler and (unless APIARY_RAY_ADDRESS is set) a local Ray."""
     _configure_logging()
     settings = _settings(host=host, port=port)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    server.serve(create_app(settings), host=settings.host, port=settings.port)
 
 
 @app.command()
@@ -66,15 +65,15 @@ def demo(
     console.print(f"[bold]1.[/] writing a synthetic token dataset to {dataset}")
     write_demo_dataset(dataset)
     console.print(f"[bold]2.[/] starting Apiary on {settings.resolved_public_url} (SQLite, local Ray)")
-    server = BackgroundServer(create_app(settings), host=settings.host, port=settings.port)
-    server.start()
+    background = server.BackgroundServer(create_app(settings), host=settings.host, port=settings.port)
+    background.start()
     try:
         code = run_demo_job(
             settings.resolved_public_url, dataset=dataset, steps=steps, workers=workers, console=console
         )
     finally:
         console.print("stopping Apiary and its local Ray ...")
-        server.stop()
+        background.stop()
     raise typer.Exit(code)
 
 

@@ -1,12 +1,52 @@
-"""Run the API in a background thread of this process (used by `apiary demo` and the tests)."""
+"""Run the API: `serve()` in the foreground (`apiary serve`), `BackgroundServer` in a thread of this
+process (`apiary demo` and the tests)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+
+from service.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a clean stop that first lets the running jobs checkpoint and requeue.
+
+    The first Ctrl-C or SIGTERM drains (`Runtime.drain`) while the API still answers the trainers'
+    telemetry (which is how they hear "checkpoint and stop"), then stops; a second one stops at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.app = app
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        runtime: Runtime | None = getattr(self.app.state, "runtime", None)
+        if self._draining or runtime is None or runtime.local_ray is None:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        logger.info("stopping: running jobs checkpoint and requeue first (signal again to stop now)")
+        threading.Thread(target=self._drain_then_exit, args=(runtime, sig, frame), daemon=True).start()
+
+    def _drain_then_exit(self, runtime: Runtime, sig: int, frame: FrameType | None) -> None:
+        try:
+            runtime.drain()
+        except Exception:
+            logger.exception("draining before the stop failed; stopping anyway")
+        super().handle_exit(sig, frame)
+
+
+def serve(app: FastAPI, *, host: str, port: int) -> None:
+    DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info"), app).run()
 
 
 class BackgroundServer:

@@ -340,7 +340,7 @@ class LocalRay:
             # `timeout_s` the group is killed: nothing of Apiary's lives only in Ray's memory.
             os.kill(self.pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and _pid_running(self.pid):
+            while time.monotonic() < deadline and pid_running(self.pid):
                 time.sleep(0.2)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)  # whatever of the group is left (workers, agents)
@@ -349,7 +349,7 @@ class LocalRay:
         logger.info("stopped local Ray (pid %s)", self.pid, extra={"action": "ray_stopped"})
 
 
-def _pid_running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
     try:
         waited, _ = os.waitpid(pid, os.WNOHANG)
         if waited == pid:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import threading
 
-from service.cluster import ClusterBackend, LocalRay, RayBackend
+from service.cluster import ClusterBackend, LocalRay, RayBackend, pid_running
 from service.db import Database
+from service.errors import ClusterUnavailable
 from service.jobs import JobService
 from service.scheduler import Scheduler
 from service.settings import Settings
@@ -14,7 +16,13 @@ logger = logging.getLogger(__name__)
 
 
 class Runtime:
-    """Start order: database (migrated) → Ray (local or `ray_address`) → scheduler loop."""
+    """Start order: database (migrated) → Ray (local or `ray_address`) → scheduler loop.
+
+    A local Ray that this service started and that dies is started again (`local_ray_check_s`): its
+    jobs' Ray jobs are gone with it, and the scheduler recovers them from their checkpoints on the
+    new one. `drain()` is the first half of a clean stop of a service that owns its local Ray: the
+    running jobs checkpoint and go back to the queue, so the next start resumes them.
+    """
 
     def __init__(
         self, settings: Settings, *, backend: ClusterBackend | None = None, run_scheduler: bool = True
@@ -26,6 +34,8 @@ class Runtime:
         self.db: Database | None = None
         self._jobs: JobService | None = None
         self._scheduler: Scheduler | None = None
+        self._stopping = threading.Event()
+        self._watchdog: threading.Thread | None = None
 
     @property
     def jobs(self) -> JobService:
@@ -47,6 +57,11 @@ class Runtime:
         self._scheduler = Scheduler(db=self.db, backend=backend, settings=self.settings)
         if self._run_scheduler:  # tests drive `scheduler.tick()` themselves
             self._scheduler.start()
+        if self.local_ray is not None:
+            self._watchdog = threading.Thread(
+                target=self._watch_local_ray, name="apiary-ray-watch", daemon=True
+            )
+            self._watchdog.start()
 
     def _connect_ray(self) -> ClusterBackend:
         if self.settings.ray_address:
@@ -58,7 +73,39 @@ class Runtime:
         backend.wait_for_nodes()
         return backend
 
+    def _watch_local_ray(self) -> None:
+        while not self._stopping.wait(self.settings.local_ray_check_s):
+            cluster = self.local_ray
+            if cluster is None or pid_running(cluster.pid):
+                continue
+            logger.error(
+                "the local Ray (pid %s) is gone: starting a new one; its jobs are recovered from their "
+                "checkpoints",
+                cluster.pid,
+                extra={"action": "ray_lost"},
+            )
+            cluster.stop(timeout_s=0)  # whatever of its process group is left
+            try:
+                backend = self._connect_ray()
+            except ClusterUnavailable as err:
+                logger.error(
+                    "could not start the local Ray again: %s", err, extra={"action": "ray_restart_failed"}
+                )
+                continue
+            assert self._jobs is not None and self._scheduler is not None
+            self._jobs.backend = self._scheduler.backend = backend
+            self._scheduler.wake()
+
+    def drain(self) -> int:
+        """Checkpoint and requeue the running jobs before a clean stop, if this service owns its local
+        Ray (whose stop would kill them); returns how many were asked. Another replica's or an
+        external cluster's jobs keep running."""
+        if self.local_ray is None or self._scheduler is None:
+            return 0
+        return self._scheduler.drain(timeout_s=self.settings.queues.preempt_grace_s + 15)
+
     def stop(self) -> None:
+        self._stopping.set()
         if self._scheduler is not None:
             self._scheduler.stop()
         if self.local_ray is not None:

@@ -81,6 +81,7 @@ class Scheduler:
         self._templates: dict[int, Gang] = {}  # what a job's (immutable) spec says of its gang
         self._max_steps: dict[int, int] = {}
         self._stop = threading.Event()
+        self._draining = threading.Event()  # a clean stop is under way: admit nothing
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -95,6 +96,35 @@ class Scheduler:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    def drain(self, *, timeout_s: float) -> int:
+        """Tell every running job to checkpoint and stop, admit nothing more, and wait (up to `timeout_s`)
+        until they are back in the queue; returns how many were told. For a clean stop of the service."""
+        self._draining.set()
+        with self.db.session() as session:
+            running = [job.id for job in repository.active_jobs(session) if job.state is JobState.RUNNING]
+        told = [
+            job_id
+            for job_id in running
+            if self.request_stop(
+                job_id, StopReason.SHUTDOWN, reason="the service is stopping: checkpoint and requeue"
+            )
+        ]
+        if told:
+            logger.info(
+                "stopping: %d running job(s) checkpoint and go back to the queue (up to %g s)",
+                len(told),
+                timeout_s,
+                extra={"action": "drain"},
+            )
+        deadline = time.monotonic() + timeout_s
+        while told and time.monotonic() < deadline:
+            self.wake()
+            time.sleep(0.5)
+            with self.db.session() as session:
+                if all(repository.get_job(session, job_id).state not in ACTIVE_STATES for job_id in told):
+                    break
+        return len(told)
 
     def wake(self) -> None:
         """Run a tick now (e.g. after a submission) instead of at the next interval."""
@@ -204,9 +234,10 @@ class Scheduler:
                 ray_submission_id=None,
             )
         elif stopping and status is not RayJobStatus.RUNNING and (failure is None or failure.retryable):
+            grace_s = self.queues.preempt_grace_s
             lost = {
                 RayJobStatus.SUCCEEDED: None,  # it checkpointed and stopped by itself
-                RayJobStatus.STOPPED: f"stopped after {self.queues.preempt_grace_s:g} s without checkpointing",
+                RayJobStatus.STOPPED: f"stopped after {grace_s:g} s without checkpointing",
                 RayJobStatus.FAILED: "its Ray job failed while stopping",
                 RayJobStatus.MISSING: "Ray lost its Ray job while stopping",
             }[status]
@@ -373,6 +404,8 @@ class Scheduler:
         active = [self._gang(row, now=now) for row in rows if row.state in ACTIVE_STATES]
         cluster = self.backend.snapshot()
         usage = self._update_usage(stored_usage, active, cluster=cluster, now=now)
+        if self._draining.is_set():
+            queued = []  # a clean stop is under way: nothing starts
         decisions = decide(
             cluster=cluster, queued=queued, active=active, now=now, queues=self.queues, usage=usage
         )

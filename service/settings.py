@@ -51,6 +51,9 @@ class Settings(BaseSettings):
         ge=1,
         description="Logical CPUs of the local Ray: more than cores, so Ray Data's tasks run beside workers.",
     )
+    local_ray_check_s: float = Field(
+        default=2.0, gt=0, description="How often the service checks that the local Ray it started lives."
+    )
     data_cpus_per_job: float = Field(
         default=1.0, gt=0, description="CPUs reserved per job for its Ray Data tasks (part of its gang)."
     )

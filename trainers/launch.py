@@ -18,8 +18,17 @@ imports no torch either: the built-in train loop is reached through `builtin_tra
 custom trainer's module (which imports torch itself) is loaded only for a custom trainer.
 
 Exit status 0 means the job reached `max_steps`. Anything else exits 1 with, as the last line on
-stderr, `apiary-error: <one-line reason a user can act on>` (`service.protocol.error_line`); the
-service's reconciler reads the last such line from the Ray job's logs.
+stderr, `apiary-error: <one-line reason a user can act on>` when the job failed for good (its code,
+its data, its failure budget spent) or `apiary-retry: <reason>` when something outside it failed
+(`service.protocol.error_line`); the service's reconciler reads the last such line from the Ray
+job's logs and recovers a retryable failure from the latest checkpoint.
+
+Failures inside the run: Ray Train restarts the worker group from the latest checkpoint when a worker
+dies, at most `request.failures_left` times (what is left of the spec's `max_failures`).
+`ApiaryFailurePolicy` changes one thing in Ray Train's default policy: a group whose ranks raised
+exceptions of their own (none died, and none is a collective broken by another rank's death) failed
+by the job's own code, which fails again the same way: it is not retried. Each restart it allows is
+posted to the control plane as a `worker_failed` event.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -40,7 +50,12 @@ import ray.data
 import ray.train
 from pydantic import ValidationError
 from ray.data import ExecutionOptions, ExecutionResources
+from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+from ray.train.v2.api import data_parallel_trainer
+from ray.train.v2.api.config import FailureConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
 from service.errors import one_line
 from service.protocol import LAUNCH_ENV_VAR, LaunchRequest, clip_reason, error_line
@@ -50,6 +65,7 @@ from trainers.backend import ProcessGroupConfig
 from trainers.data import DatasetInfo, inspect_dataset
 from trainers.data_order import Slice
 from trainers.data_stream import build_epoch_dataset
+from trainers.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +74,72 @@ DATASET_NAME = "train"
 
 
 class TrainingFailed(RuntimeError):
-    """The worker group failed for good (after `max_failures` restarts); str() is the user-facing reason."""
+    """The worker group failed for good (after `max_failures` restarts); str() is the user-facing reason.
+
+    `retryable`: the failure was Ray Train's own (its controller), not the job's."""
+
+    def __init__(self, reason: str, *, retryable: bool = False) -> None:
+        super().__init__(reason)
+        self.retryable = retryable
+
+
+# A rank's exception that is the collateral of another rank's death (a collective whose peer is gone).
+_COLLATERAL = re.compile(
+    r"gloo|nccl|connection (closed|reset) by peer|broken pipe|DistBackendError|DistNetworkError",
+    re.IGNORECASE,
+)
+
+
+class ApiaryFailurePolicy(DefaultFailurePolicy):
+    """Ray Train's default failure policy, except that the job's own errors are not retried.
+
+    Built in the driver and run by the Train controller. A worker group failure is the job's own when
+    every failed rank raised an exception of its own: not a dead worker (a health check that failed),
+    not a Ray system error, not a collective broken by a dead peer. Everything else is retried within
+    `max_failures`, and each retry is posted to the job's telemetry as a `worker_failed` event.
+    """
+
+    def __init__(self, failure_config: FailureConfig, *, request: LaunchRequest) -> None:
+        super().__init__(failure_config)
+        self.request = request
+
+    def make_decision(self, training_failed_error: TrainingFailedError) -> FailureDecision:
+        failures = (
+            training_failed_error.worker_failures
+            if isinstance(training_failed_error, WorkerGroupError)
+            else {}
+        )
+        if failures and all(_is_own_error(error) for error in failures.values()):
+            logger.error("the job's own code failed: not retried")
+            return FailureDecision.RAISE
+        decision = super().make_decision(training_failed_error)
+        if decision is FailureDecision.RETRY:
+            self._post_restart(failures)
+        return decision
+
+    def _post_restart(self, failures: dict[int, Exception]) -> None:
+        ranks = ", ".join(
+            f"rank {rank}: {_error_text(error)[:300]}" for rank, error in sorted(failures.items())
+        )
+        telemetry = Telemetry(
+            url=self.request.telemetry_url, attempt=self.request.attempt, rank=0, close_retry_s=5.0
+        )
+        telemetry.event(
+            "worker_failed",
+            step=0,
+            message=f"worker group failed ({ranks or 'the controller'}); Ray Train restarts it from "
+            "the latest checkpoint",
+        )
+        telemetry.close()
+
+
+def _is_own_error(error: Exception) -> bool:
+    if not isinstance(error, UserExceptionWithTraceback):
+        return False  # a dead worker (WorkerHealthCheckFailedError) or Ray's own trouble
+    cause = error._base_exc
+    if isinstance(cause, ray.exceptions.RayError) and not isinstance(cause, ray.exceptions.RayTaskError):
+        return False
+    return not _COLLATERAL.search(f"{type(cause).__name__}: {cause}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +185,15 @@ def run(request: LaunchRequest) -> RunResult:
         request.run_name,
     )
 
+    failure_config = FailureConfig(
+        max_failures=spec.max_failures if request.failures_left is None else request.failures_left
+    )
+    # Ray Train builds its failure policy in `fit()` from this module-level factory (2.60; checked by
+    # tests/unit/test_trainer_launch.py): this driver runs one job, so replacing it here is local.
+    data_parallel_trainer.create_failure_policy = lambda failure_config: ApiaryFailurePolicy(
+        failure_config,  # type: ignore[arg-type]  # Ray's factory is typed with V1's FailureConfig
+        request=request,
+    )
     trainer = DataParallelTrainer(
         train_fn,
         train_loop_config={"request": request.model_dump(mode="json"), "dataset": dataset_info.to_dict()},
@@ -113,7 +203,7 @@ def run(request: LaunchRequest) -> RunResult:
             name=request.run_name,
             storage_path=storage_path,
             storage_filesystem=storage_filesystem,
-            failure_config=ray.train.FailureConfig(max_failures=spec.max_failures),
+            failure_config=failure_config,
         ),
         # Built-in trainers read their own deterministic per-rank streams (trainers.data_stream);
         # a custom trainer still gets the whole dataset through `ray.train.get_dataset_shard`.
@@ -133,7 +223,9 @@ def run(request: LaunchRequest) -> RunResult:
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as err:
-        raise TrainingFailed(failure_reason(err)) from err
+        raise TrainingFailed(
+            failure_reason(err), retryable=isinstance(err, ray.train.ControllerError)
+        ) from err
 
     checkpoint = result.checkpoint
     return RunResult(
@@ -271,7 +363,7 @@ def main() -> int:
         result = run(request)
     except Exception as err:
         logger.error("job %d attempt %d failed:\n%s", request.job_id, request.attempt, traceback.format_exc())
-        return _fail(failure_reason(err))
+        return _fail(failure_reason(err), retryable=_is_retryable(err))
     logger.info(
         "job %d attempt %d %s in %.1f s, %s",
         request.job_id,
@@ -287,7 +379,14 @@ def main() -> int:
     return 0
 
 
-def _fail(reason: str) -> int:
+def _is_retryable(err: Exception) -> bool:
+    """Whether a failure of the driver may go away on a new attempt: not the job's code, data or spec."""
+    if isinstance(err, TrainingFailed):
+        return err.retryable
+    return not isinstance(err, ValueError | ValidationError)
+
+
+def _fail(reason: str, *, retryable: bool = False) -> int:
     # Shut Ray down first: it stops the threads that forward worker logs to this process, so
     # nothing can be printed after the reason and it stays the last line of the job's log.
     if ray.is_initialized():
@@ -295,7 +394,7 @@ def _fail(reason: str) -> int:
     for handler in logging.getLogger().handlers:
         handler.flush()
     sys.stdout.flush()
-    sys.stderr.write(error_line(reason) + "\n")
+    sys.stderr.write(error_line(reason, retryable=retryable) + "\n")
     sys.stderr.flush()
     return 1
 

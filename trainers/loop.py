@@ -39,10 +39,10 @@ import ray.train
 import ray.train.torch
 import torch
 
-from service.protocol import LaunchRequest
+from service.protocol import GROUP_STARTED, LaunchRequest
 from trainers.checkpoint import Checkpointer, TrainParts, TrainState, seed_rank
 from trainers.data import DatasetInfo, iter_batches_for_rank
-from trainers.parallel import any_rank, autocast, clip_grad_norm, parallelize
+from trainers.parallel import any_rank, autocast, clip_grad_norm, parallelize, rank0_value
 from trainers.registry import builtin_trainer
 from trainers.telemetry import Telemetry
 
@@ -71,6 +71,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         telemetry = stack.enter_context(
             Telemetry(url=request.telemetry_url, attempt=request.attempt, rank=rank)
         )
+        # This start of the worker group (a restart inside Ray Train replays steps): rank 0's clock.
+        telemetry.segment = rank0_value(time.time_ns() // 1_000_000, device=device)
         checkpointer = Checkpointer(request, row_shape=dataset.row_shape, rank=rank, telemetry=telemetry)
         with checkpointer.latest() as resume:
             # 1. Where to start.
@@ -105,6 +107,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "rank 0 of %d ready in %.1f s (model built, data stream open)",
                 world_size,
                 time.perf_counter() - started,
+            )
+            telemetry.event(
+                GROUP_STARTED,
+                step=state.step,
+                message=f"worker group of {world_size} started (attempt {request.attempt}) "
+                + (f"from its checkpoint at step {state.step}" if resume is not None else "from step 0"),
+                world_size=world_size,
             )
 
         grad_clip = trainer.grad_clip or math.inf

@@ -45,6 +45,15 @@ def any_rank(flag: bool, *, device: torch.device) -> bool:
     return bool(tensor.item())
 
 
+def rank0_value(value: int, *, device: torch.device) -> int:
+    """Rank 0's `value` on every rank (a collective: every rank calls it at the same point)."""
+    if not is_distributed() or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item())
+
+
 def parallelize(model: nn.Module, *, strategy: Strategy, device: torch.device) -> nn.Module:
     """Move `model` to `device` and wrap it for `strategy` over the default process group.
 

@@ -1,0 +1,213 @@
+"""Recovery in the control plane, over real HTTP and a real database (SQLite and PostgreSQL), with a fake
+cluster: lost drivers and Ray jobs are resubmitted from their checkpoint within the failure budget, the
+job's own failures are not, worker-group restarts are counted from the trainers' telemetry, a stuck
+submission is requeued, and a submission whose answer was lost is checked with Ray first."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from service.cluster import RayJobStatus
+from service.protocol import error_line
+from tests.integration.conftest import Service
+from tests.integration.test_scheduler import run_to_running
+
+
+@pytest.fixture
+def spec(classification_dataset: str) -> dict[str, Any]:
+    return {
+        "name": "job",
+        "trainer": "mlp",
+        "num_workers": 1,
+        "dataset": {"uri": classification_dataset},
+        "max_steps": 100,
+        "batch_size": 8,
+        "max_failures": 2,
+        "config": {"task": "classification", "num_classes": 3},
+    }
+
+
+def post(service: Service, job_id: int, batch: dict[str, Any]) -> dict[str, Any]:
+    response = service.http.post(f"/internal/jobs/{job_id}/telemetry", json=batch)
+    assert response.status_code == 202, response.text
+    return dict(response.json())
+
+
+def points(steps: range, *, loss: float, ranks: tuple[int, ...] = (0, 1)) -> list[dict[str, Any]]:
+    return [
+        {"step": step, "rank": rank, "time": time.time(), "values": {"loss": loss}}
+        for step in steps
+        for rank in ranks
+    ]
+
+
+def reasons(service: Service, job_id: int) -> list[str]:
+    return [event["reason"] for event in service.http.get(f"/jobs/{job_id}/events").json()["data"]]
+
+
+def test_a_dead_driver_is_recovered_from_the_checkpoint_until_the_budget_is_spent(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    job_id = service.submit(spec)["id"]
+    run_to_running(service, [job_id])
+    post(service, job_id, {"attempt": 1, "points": [], "checkpoint": {"step": 40, "uri": "file:///c/40"}})
+    for failure in (1, 2):
+        submission = service.job(job_id)["ray_submission_id"]
+        # A SIGKILLed driver: Ray says FAILED, and the log has no apiary-error line.
+        service.backend.statuses[submission] = RayJobStatus.FAILED
+        service.backend.logs[submission] = "step 57 ...\n"
+        service.tick()
+        job = service.job(job_id)
+        assert (job["state"], job["attempt"], job["failures"]) == ("recovering", 1 + failure, failure)
+        launch = service.backend.submitted[-1][1]
+        assert launch.attempt == 1 + failure and launch.failures_left == 2 - failure
+        assert any(
+            f"resuming from its checkpoint at step 40 (failure {failure} of at most 2)" in r
+            for r in reasons(service, job_id)
+        )
+        service.backend.statuses[launch.submission_id or ""] = RayJobStatus.RUNNING
+        service.tick()
+        assert service.job(job_id)["state"] == "running"
+    submission = service.job(job_id)["ray_submission_id"]
+    service.backend.statuses[submission] = RayJobStatus.FAILED
+    service.tick()
+    job = service.job(job_id)
+    assert job["state"] == "failed" and "failure budget is spent (max_failures 2" in job["message"]
+    assert len(service.backend.submitted) == 3
+
+
+def test_a_job_that_fails_by_its_own_code_is_not_recovered(service: Service, spec: dict[str, Any]) -> None:
+    job_id = service.submit(spec)["id"]
+    run_to_running(service, [job_id])
+    submission = service.job(job_id)["ray_submission_id"]
+    service.backend.statuses[submission] = RayJobStatus.FAILED
+    service.backend.logs[submission] = error_line("training failed on rank 0: KeyError: 'x'") + "\n"
+    service.tick()
+    job = service.job(job_id)
+    assert (job["state"], job["failures"], job["message"]) == (
+        "failed",
+        0,
+        "training failed on rank 0: KeyError: 'x'",
+    )
+    assert len(service.backend.submitted) == 1
+
+
+def test_a_running_job_that_ray_forgot_is_resubmitted_and_a_retryable_error_line_too(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    job_id = service.submit(spec)["id"]
+    run_to_running(service, [job_id])
+    del service.backend.statuses[service.job(job_id)["ray_submission_id"]]  # a restarted cluster
+    service.tick()
+    job = service.job(job_id)
+    assert (job["state"], job["attempt"]) == ("recovering", 2)
+    assert any(
+        "Ray has no record of the running job" in r and "from the start (no checkpoint yet)" in r
+        for r in reasons(service, job_id)
+    )
+    submission = job["ray_submission_id"]
+    service.backend.statuses[submission] = RayJobStatus.FAILED
+    service.backend.logs[submission] = error_line("cannot reach storage", retryable=True)
+    service.tick()
+    assert (service.job(job_id)["state"], service.job(job_id)["attempt"]) == ("recovering", 3)
+
+
+def test_an_attempt_that_never_starts_is_requeued_after_the_start_timeout(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    job_id = service.submit(spec)["id"]
+    service.tick()
+    submission = service.job(job_id)["ray_submission_id"]
+    service.tick(time.time() + 60)  # pending, within the timeout (300 s)
+    assert service.job(job_id)["state"] == "admitted" and service.backend.stopped == []
+    service.runtime.scheduler.schedule = lambda now: None  # type: ignore[method-assign,assignment,return-value]
+    service.tick(time.time() + 301)
+    job = service.job(job_id)
+    assert job["state"] == "queued" and service.backend.stopped == [submission]
+    assert any("Ray did not start attempt 1 within 300 s" in r for r in reasons(service, job_id))
+
+
+def test_a_submission_whose_answer_was_lost_is_checked_with_ray_first(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    backend = service.backend
+    real_submit = backend.submit
+
+    def submit_then_lose_the_answer(**kwargs: Any) -> None:
+        real_submit(**kwargs)
+        raise ConnectionError("connection reset while reading the response")
+
+    backend.submit = submit_then_lose_the_answer  # type: ignore[method-assign]
+    job_id = service.submit(spec)["id"]
+    service.tick()
+    job = service.job(job_id)
+    assert job["state"] == "admitted"  # Ray has it: tracked, not failed
+    backend.statuses[job["ray_submission_id"]] = RayJobStatus.RUNNING
+    service.tick()
+    assert service.job(job_id)["state"] == "running"
+
+    def refuse(**kwargs: Any) -> None:
+        raise RuntimeError("Request failed with status code 400: bad runtime_env.")
+
+    backend.submit = refuse  # type: ignore[method-assign]
+    refused = service.submit({**spec, "name": "refused"})["id"]
+    service.tick()
+    job = service.job(refused)
+    assert job["state"] == "failed" and "Ray refused the submission" in job["message"]
+
+
+def test_a_worker_group_restart_is_counted_and_both_curves_are_kept(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    job_id = service.submit(spec)["id"]
+    run_to_running(service, [job_id])
+    started = {
+        "kind": "group_started",
+        "rank": 0,
+        "time": time.time(),
+        "message": "worker group of 2 started",
+    }
+    post(
+        service,
+        job_id,
+        {
+            "attempt": 1,
+            "segment": 1000,
+            "events": [{**started, "step": 0}],
+            "points": points(range(1, 8), loss=1.0),
+        },
+    )
+    post(service, job_id, {"attempt": 1, "points": [], "checkpoint": {"step": 5, "uri": "file:///c/5"}})
+    # Ray Train restarted the group from step 5: steps 6 and 7 are trained again, in a new segment.
+    post(
+        service,
+        job_id,
+        {
+            "attempt": 1,
+            "segment": 2000,
+            "events": [{**started, "step": 5}],
+            "points": points(range(6, 9), loss=0.5),
+        },
+    )
+    # A late post of the old group changes nothing but its own points.
+    post(
+        service, job_id, {"attempt": 1, "segment": 1000, "points": points(range(8, 9), loss=9.0, ranks=(1,))}
+    )
+    job = service.job(job_id)
+    assert (job["restarts"], job["failures"], job["latest_step"]) == (1, 1, 8)
+    assert any("resumed from step 5, 2 step(s) to train again" in r for r in reasons(service, job_id))
+    counted = service.http.get(f"/jobs/{job_id}/metrics", params={"rank": 0}).json()["data"]
+    assert [(p["step"], p["values"]["loss"]) for p in counted] == [(s, 1.0) for s in range(1, 6)] + [
+        (s, 0.5) for s in range(6, 9)
+    ]
+    every = service.http.get(f"/jobs/{job_id}/metrics", params={"rank": 0, "segments": "all"}).json()["data"]
+    assert [(p["step"], p["segment"]) for p in every if p["step"] in (6, 7)] == [
+        (6, 1000),
+        (6, 2000),
+        (7, 1000),
+        (7, 2000),
+    ]
+    assert service.http.get(f"/jobs/{job_id}/metrics", params={"segments": "some"}).status_code == 422
