@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,19 @@ def any_rank(flag: bool, *, device: torch.device) -> bool:
     tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return bool(tensor.item())
+
+
+def gather_values(values: Sequence[float], *, device: torch.device) -> list[list[float]]:
+    """Every rank's `values` (the same length on all), in rank order: a collective, like `any_rank`.
+
+    float64, so a NaN or an infinity travels as itself.
+    """
+    if not is_distributed() or dist.get_world_size() == 1:
+        return [list(values)]
+    mine = torch.tensor(list(values), dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [row.tolist() for row in gathered]
 
 
 def parallelize(model: nn.Module, *, strategy: Strategy, device: torch.device) -> nn.Module:
