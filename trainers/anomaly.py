@@ -74,7 +74,7 @@ class Anomaly:
     def event_data(self) -> dict[str, float | int | str]:
         """The numbers of the `anomaly` event (a non-finite value as text: telemetry JSON has no NaN)."""
         data: dict[str, float | int | str] = {
-            "kind": self.kind,
+            "anomaly": self.kind,  # not "kind": that is the event's own
             "metric": self.metric,
             "value": self.value if math.isfinite(self.value) else _number(self.value),
         }

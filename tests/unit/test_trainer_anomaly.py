@@ -9,6 +9,7 @@ import pytest
 
 from service.spec import AnomalySpec
 from trainers.anomaly import Anomaly, AnomalyDetector, decide, encode
+from trainers.telemetry import Telemetry
 
 
 def feed(detector: AnomalyDetector, norms: list[float], *, first_step: int = 1) -> list[Anomaly]:
@@ -34,7 +35,10 @@ def test_nan_and_inf_are_anomalies_from_the_first_step() -> None:
     negative = detector.check(step=1, loss=-math.inf, grad_norm=1.0)
     assert negative is not None and negative.describe() == "loss is -inf at step 1 on rank 1"
     # JSON has no NaN: the event carries it as text.
-    assert nan.event_data() == {"kind": "nan", "metric": "loss", "value": "NaN"}
+    assert nan.event_data() == {"anomaly": "nan", "metric": "loss", "value": "NaN"}
+    Telemetry(url=None, attempt=1, rank=1).event(
+        "anomaly", step=1, message=nan.describe(), **nan.event_data()
+    )
     assert detector.check(step=1, loss=0.5, grad_norm=1.0) is None
 
 
