@@ -70,7 +70,9 @@ def test_a_nan_rolls_back_skipping_its_batch_or_stops_the_job(
 ) -> None:
     bad = write_rows(tmp_path / "bad", nan_row=NAN_ROW)
     storage = tmp_path / "storage"
-    reference = train(write_rows(tmp_path / "clean", drop=SKIPPED_ROWS), storage, "reference")
+    reference = train(
+        write_rows(tmp_path / "clean", drop=SKIPPED_ROWS), storage, "reference", checkpoint={"every_steps": 9}
+    )
     assert reference.step == MAX_STEPS
     want = weights(reference.checkpoint_path or "")
     assert all(torch.isfinite(tensor).all() for tensor in want.values())
@@ -102,6 +104,16 @@ def test_a_nan_rolls_back_skipping_its_batch_or_stops_the_job(
     # Without a checkpoint yet, the rollback restarts from the seed's initial weights.
     fresh = train(bad, storage, "rollback-from-start")
     assert_same_weights(weights(fresh.checkpoint_path or ""), want)
+
+    # on_anomaly: warn drops the NaN step's update but counts the step: 9 updates on the other batches.
+    warned = train(bad, storage, "warn", telemetry_url=telemetry_server.url, on_anomaly="warn")
+    assert warned.step == MAX_STEPS
+    assert_same_weights(
+        weights(warned.checkpoint_path or ""), weights(storage / "reference" / checkpoint_dir_name(9))
+    )
+    assert [e["message"] for e in telemetry_server.events()[2:]] == [
+        "loss is NaN at step 7 on rank 1 (on_anomaly: warn)"
+    ]
 
     # on_anomaly: stop fails the job with the step, the rank and the value.
     with pytest.raises(TrainingFailed) as failed:
