@@ -76,6 +76,45 @@ class CheckpointSpec(Strict):
     )
 
 
+class AnomalyAction(StrEnum):
+    """What the built-in trainers do about bad numerics at a step (`trainers.anomaly`)."""
+
+    STOP = "stop"  # fail the job, naming the step, rank and value
+    ROLLBACK = "rollback"  # restore the last checkpoint and skip the offending batch
+    WARN = "warn"  # record it and go on (a non-finite step's update is still skipped)
+
+
+class AnomalySpec(Strict):
+    """When a step's numerics count as an anomaly, and how often a run may roll back."""
+
+    zscore: float = Field(
+        default=6.0,
+        gt=0,
+        description="A gradient norm this many standard deviations above the mean of the recent window "
+        "is a spike. NaN or infinite loss or gradient norm is always an anomaly.",
+    )
+    window: int = Field(
+        default=50, ge=2, le=10_000, description="Recent normal steps whose gradient norms the z-score uses."
+    )
+    min_steps: int = Field(
+        default=20,
+        ge=2,
+        description="Normal steps in the window before spikes are looked for (at most `window`).",
+    )
+    max_rollbacks: int = Field(
+        default=3,
+        ge=0,
+        le=100,
+        description="Rollbacks a run may make (counted in its checkpoints); one more anomaly then stops it.",
+    )
+
+    @model_validator(mode="after")
+    def _min_steps_fit(self) -> AnomalySpec:
+        if self.min_steps > self.window:
+            raise ValueError(f"min_steps ({self.min_steps}) must be <= window ({self.window})")
+        return self
+
+
 class MLPConfig(Strict):
     """Hyperparameters of the built-in `mlp` trainer (rows: `features`, `label`)."""
 
@@ -153,6 +192,13 @@ class JobSpec(Strict):
     seed: int = Field(default=0, ge=0)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     max_failures: int = Field(default=0, ge=0, le=100)
+    on_anomaly: AnomalyAction = Field(
+        default=AnomalyAction.ROLLBACK,
+        description="Built-in trainers, on a NaN/inf loss or gradient norm or a gradient-norm spike: "
+        "'stop' fails the job; 'rollback' restores the last checkpoint (or the initial weights) and skips "
+        "the offending batch, at most anomaly.max_rollbacks times, then stops; 'warn' records it.",
+    )
+    anomaly: AnomalySpec = Field(default_factory=AnomalySpec)
     max_runtime_s: float | None = Field(
         default=None,
         gt=0,

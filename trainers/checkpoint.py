@@ -4,7 +4,7 @@ The dict holds everything a resumed run needs and everything a reader needs to r
 without the job's database row:
 
     format_version     int, bumped when the layout changes (2 added `model_format`, 3 renamed
-                       `scheduler` to `lr_schedule`; 1 and 2 still read)
+                       `scheduler` to `lr_schedule`, 4 added `skipped_batches`; 1 to 3 still read)
     trainer            the spec's trainer name ("mlp", "gpt" or "package.module:function")
     spec               the full JobSpec (`model_dump(mode="json")`)
     row_shape          the data's row shape the model was sized by ({"input_size": n} | {"seq_len": L})
@@ -17,6 +17,8 @@ without the job's database row:
     epoch              the epoch the last step's batch came from
     batches_in_epoch   batches each rank had taken from that epoch (the data position)
     samples_consumed   samples all ranks together had trained on
+    skipped_batches    [[epoch, batch index in epoch], ...]: batches never trained on, skipped by an
+                       anomaly rollback (`trainers.anomaly`); [] when reading formats 1 to 3
     world_size         ranks that wrote it
     rng                one dict per rank: python, numpy, torch (and cuda) generator states
 
@@ -44,7 +46,7 @@ import random
 import tempfile
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +68,8 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
 SHARDED_DIR = "sharded"
-FORMAT_VERSION = 3
-READABLE_FORMATS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_FORMATS = (1, 2, 3, 4)
 # The counters of TrainState, as state.pt stores them.
 _STATE_FIELDS = ("step", "epoch", "batches_in_epoch", "samples_consumed")
 
@@ -77,20 +79,31 @@ class TrainState:
     """Where training stands: what a checkpoint restores besides the tensors and the RNG."""
 
     step: int = 0  # optimizer steps completed
-    epoch: int = 0  # the epoch of the last step's batch
+    epoch: int = 0  # the epoch of the data position (the last step's or skipped batch)
     batches_in_epoch: int = 0  # batches each rank took from that epoch: the data position
     samples_consumed: int = 0  # samples all ranks together trained on
+    # (epoch, batch index in that epoch) of every batch a rollback skipped (`trainers.anomaly`): each
+    # rank passes over its batch at that index. One entry per rollback, so it also counts them.
+    skipped_batches: list[tuple[int, int]] = field(default_factory=list)
 
     def data_position(self, *, batch_size: int) -> DataPosition:
         return DataPosition(self.epoch, self.batches_in_epoch * batch_size)
 
     def advance(self, *, epoch: int, samples: int) -> None:
         """Count one optimizer step on a batch of `epoch` (`samples` over all ranks)."""
+        self.pass_batch(epoch=epoch)
+        self.step += 1
+        self.samples_consumed += samples
+
+    def next_batch(self, epoch: int) -> tuple[int, int]:
+        """(epoch, index in it) of the batch of `epoch` that comes next from the data position."""
+        return (epoch, self.batches_in_epoch if epoch == self.epoch else 0)
+
+    def pass_batch(self, *, epoch: int) -> None:
+        """Move the data position past the next batch of `epoch` (with no step, for a skipped one)."""
         if epoch != self.epoch:
             self.epoch, self.batches_in_epoch = epoch, 0
-        self.step += 1
         self.batches_in_epoch += 1
-        self.samples_consumed += samples
 
 
 @dataclass(kw_only=True)
@@ -193,6 +206,7 @@ def save_checkpoint(
         "model_format": "sharded" if sharded else "full",
         "lr_schedule": parts.lr_schedule.state_dict(),
         **{name: getattr(state, name) for name in _STATE_FIELDS},
+        "skipped_batches": [list(batch) for batch in state.skipped_batches],
         "world_size": len(rng),
         "rng": rng,
     }
@@ -220,12 +234,16 @@ def load_checkpoint(directory: str | Path, *, s3_endpoint_url: str | None = None
     contents.setdefault("model_format", "full")  # format 1
     if "scheduler" in contents:  # formats 1 and 2
         contents["lr_schedule"] = contents.pop("scheduler")
+    contents.setdefault("skipped_batches", [])  # formats 1 to 3
     return contents
 
 
 def train_state_of(contents: dict[str, Any]) -> TrainState:
     """The `TrainState` a checkpoint's `state.pt` dict holds."""
-    return TrainState(**{name: int(contents[name]) for name in _STATE_FIELDS})
+    return TrainState(
+        **{name: int(contents[name]) for name in _STATE_FIELDS},
+        skipped_batches=[(int(epoch), int(index)) for epoch, index in contents.get("skipped_batches", [])],
+    )
 
 
 def restore_checkpoint(
@@ -328,6 +346,7 @@ class Checkpointer:
         self.row_shape = row_shape
         self.rank = rank
         self.telemetry = telemetry
+        self._last_saved: str | None = None  # the folder name of this group's last save, for `last`
 
     def due(self, step: int) -> bool:
         every = self.spec.checkpoint.every_steps
@@ -353,6 +372,7 @@ class Checkpointer:
         import ray.train
 
         name = checkpoint_dir_name(state.step)
+        self._last_saved = name
         rng = gather_rng_states()
         metrics = {"step": state.step, "samples_consumed": state.samples_consumed, **metrics}
         if self.rank != 0 and not is_sharded(parts.model):
@@ -371,6 +391,23 @@ class Checkpointer:
                 storage_uri=self.request.storage_uri, run_name=self.request.run_name, name=name
             )
             self.telemetry.checkpoint_saved(state.step, uri)
+
+    @contextlib.contextmanager
+    def last(self) -> Iterator[Resume | None]:
+        """The run's latest checkpoint, opened again mid-run (an anomaly rollback); None if it has none.
+
+        That is the last one this group saved (every rank knows its name; with DDP only rank 0's
+        `ray.train.get_checkpoint()` would have followed it), or else the one the group started from.
+        """
+        if self._last_saved is None:
+            with self.latest() as resume:
+                yield resume
+            return
+        uri = checkpoint_uri(
+            storage_uri=self.request.storage_uri, run_name=self.request.run_name, name=self._last_saved
+        )
+        with local_checkpoint(uri, s3_endpoint_url=self.request.s3_endpoint_url) as directory:
+            yield Resume(directory=directory, contents=load_checkpoint(directory), seed=self.spec.seed)
 
 
 @dataclass(frozen=True, kw_only=True)

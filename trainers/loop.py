@@ -13,12 +13,25 @@
    run under `spec.precision` (bf16 = autocast).
 4. Run optimizer steps until exactly `max_steps`; the loop owns the step count and starts a new
    epoch of the shard whenever one runs out.
+   Between backward and the optimizer step, every rank judges the step's numerics
+   (`trainers.anomaly`: NaN or infinite loss or gradient norm, or a gradient-norm spike) and the
+   ranks agree on the verdict, and on whether the control plane asked to stop, in one small
+   collective (`gather_values`). An anomaly does what `spec.on_anomaly` says: `stop` raises a
+   ValueError whose message is the job's reason ("loss is NaN at step 412 on rank 1; ..."); `warn`
+   posts it and goes on, without applying a non-finite step's gradients; `rollback` (the default)
+   restarts steps 1-3 in-process from the run's last checkpoint (or from the seed's initial weights
+   when there is none yet), with the offending batch added to `TrainState.skipped_batches`. The loop
+   passes over a skipped batch as if it were not in the data (the data position moves, no step is
+   taken), so the run then takes exactly the batches a run without that batch would take; the list
+   is saved in every later checkpoint, and its length counts the run's rollbacks: one more anomaly
+   after `anomaly.max_rollbacks` of them stops the job. The detecting rank posts an `anomaly` event
+   and rank 0 a `rollback` event (`Telemetry.event`).
 5. Each step, record this rank's metrics (`STEP_METRICS`) as telemetry.
 6. Every `checkpoint.every_steps` steps and at `max_steps`, every rank saves (`Checkpointer.save`:
    `ray.train.report` is a barrier, so all ranks call it the same number of times). When the
    control plane asks the job to stop (a telemetry reply: preempted, or out of runtime), the ranks
-   agree on it at the end of a step (`any_rank`, one small collective per step), save a checkpoint
-   there and return: the run resumes from exactly that step when the job is admitted again.
+   agree on it in the step's collective (above), save a checkpoint there and return: the run
+   resumes from exactly that step when the job is admitted again.
 
 Data position: each rank reads its own samples in an order fixed by (seed, epoch, world size)
 (`trainers.data_order`), so the checkpoint's (epoch, batches_in_epoch) is the exact position of
@@ -40,9 +53,11 @@ import ray.train.torch
 import torch
 
 from service.protocol import GROUP_STARTED, LaunchRequest
-from trainers.checkpoint import Checkpointer, TrainParts, TrainState, seed_rank
-from trainers.data import DatasetInfo, iter_batches_for_rank
-from trainers.parallel import any_rank, autocast, clip_grad_norm, parallelize, rank0_value
+from service.spec import AnomalyAction, JobSpec
+from trainers.anomaly import Anomaly, AnomalyDetector, decide, encode
+from trainers.checkpoint import Checkpointer, Resume, TrainParts, TrainState, seed_rank
+from trainers.data import DatasetInfo, RankBatches, iter_batches_for_rank
+from trainers.parallel import autocast, clip_grad_norm, gather_values, parallelize, rank0_value
 from trainers.registry import builtin_trainer
 from trainers.telemetry import Telemetry
 
@@ -66,6 +81,37 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     _configure_logging(rank)
 
+    def start(resume: Resume | None) -> tuple[TrainState, RankBatches, TrainParts]:
+        """Steps 1-3 from `resume` (None: a fresh run): at the group's start, and again on a rollback."""
+        # 1. Where to start.
+        state = resume.train_state(world_size=world_size) if resume is not None else TrainState()
+        # 2. This rank's data from there, reading in the background from now on (the order uses
+        # no global RNG, so the model below is built while the first batch is read).
+        batches = iter_batches_for_rank(
+            request,
+            dataset,
+            rank=rank,
+            world_size=world_size,
+            collate_fn=trainer.build_collate(dataset.row_shape, uri=dataset.uri),
+            start=state.data_position(batch_size=spec.batch_size),
+            device=device,
+        )
+        try:
+            # 3. Model, wrapped for the strategy, then the optimizer (FSDP replaces parameters by
+            # shards). Initial weights depend on the seed only, not on the rank or world size.
+            torch.manual_seed(spec.seed)
+            model = parallelize(trainer.build_model(dataset.row_shape), strategy=spec.strategy, device=device)
+            optimizer, lr_schedule = trainer.build_optimizer(model, max_steps=spec.max_steps)
+            parts = TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule)
+            if resume is not None:
+                resume.restore(parts, rank=rank, world_size=world_size)
+            else:
+                seed_rank(spec.seed, rank=rank, step=0)
+        except BaseException:
+            batches.close()
+            raise
+        return state, batches, parts
+
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         telemetry = stack.enter_context(
@@ -75,33 +121,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         telemetry.segment = rank0_value(time.time_ns() // 1_000_000, device=device)
         checkpointer = Checkpointer(request, row_shape=dataset.row_shape, rank=rank, telemetry=telemetry)
         with checkpointer.latest() as resume:
-            # 1. Where to start.
-            state = resume.train_state(world_size=world_size) if resume is not None else TrainState()
-            # 2. This rank's data from there, reading in the background from now on (the order uses
-            # no global RNG, so the model below is built while the first batch is read).
-            batches = stack.enter_context(
-                iter_batches_for_rank(
-                    request,
-                    dataset,
-                    rank=rank,
-                    world_size=world_size,
-                    collate_fn=trainer.build_collate(dataset.row_shape, uri=dataset.uri),
-                    start=state.data_position(batch_size=spec.batch_size),
-                    device=device,
-                )
-            )
-            # 3. Model, wrapped for the strategy, then the optimizer (FSDP replaces parameters by
-            # shards). Initial weights depend on the seed only, not on the rank or world size.
-            torch.manual_seed(spec.seed)
-            model = parallelize(trainer.build_model(dataset.row_shape), strategy=spec.strategy, device=device)
-            optimizer, lr_schedule = trainer.build_optimizer(model, max_steps=spec.max_steps)
-            parts = TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule)
-            if resume is not None:
-                resume.restore(parts, rank=rank, world_size=world_size)
-                if rank == 0:
-                    logger.info("resumed from step %d (epoch %d)", state.step, state.epoch)
-            else:
-                seed_rank(spec.seed, rank=rank, step=0)
+            state, batches, parts = start(resume)
+            if resume is not None and rank == 0:
+                logger.info("resumed from step %d (epoch %d)", state.step, state.epoch)
+        stack.callback(lambda: batches.close())  # whichever stream is open at the end
         if rank == 0:
             logger.info(
                 "rank 0 of %d ready in %.1f s (model built, data stream open)",
@@ -116,23 +139,61 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 world_size=world_size,
             )
 
+        detector = AnomalyDetector.from_spec(spec.anomaly, rank=rank)
         grad_clip = trainer.grad_clip or math.inf
         last_log = -math.inf
-        model.train()
+        parts.model.train()
         # 4. Exactly max_steps optimizer steps.
         while state.step < spec.max_steps:
             step_started = time.perf_counter()
             epoch, batch = next(batches)
+            if state.next_batch(epoch) in state.skipped_batches:
+                state.pass_batch(epoch=epoch)  # a rollback skipped it: as if it were not in the data
+                continue
             data_wait_s = time.perf_counter() - step_started
 
             with autocast(spec.precision, device=device):
-                loss = trainer.loss(model, batch)
-            optimizer.zero_grad(set_to_none=True)
+                loss = trainer.loss(parts.model, batch)
+            parts.optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces the gradients here
-            grad_norm = clip_grad_norm(model, max_norm=grad_clip)
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            lr_schedule.step()
+            grad_norm = clip_grad_norm(parts.model, max_norm=grad_clip)
+
+            # Numerics, judged before the update: the ranks agree on the step's anomaly, and on whether
+            # the control plane asked to stop (the one small collective of every step).
+            step = state.step + 1
+            seen = detector.check(step=step, loss=loss.item(), grad_norm=grad_norm.item())
+            verdict = decide(
+                gather_values(encode(seen, stop_requested=telemetry.stop_requested.is_set()), device=device),
+                step=step,
+            )
+            anomaly = verdict.anomaly
+            if anomaly is not None:
+                if anomaly.rank == rank:
+                    telemetry.event(
+                        "anomaly",
+                        step=step,
+                        message=f"{anomaly.describe()} (on_anomaly: {spec.on_anomaly})",
+                        **anomaly.event_data(),
+                    )
+                _stop_unless_allowed(anomaly, state=state, spec=spec)
+                if spec.on_anomaly is AnomalyAction.ROLLBACK:
+                    skipped = [*state.skipped_batches, state.next_batch(epoch)]
+                    del loss, grad_norm, parts
+                    batches.close()
+                    with checkpointer.last() as resume:
+                        state, batches, parts = start(resume)
+                    state.skipped_batches = skipped
+                    parts.model.train()
+                    if rank == 0:
+                        _announce_rollback(telemetry, anomaly, state=state, spec=spec)
+                    continue
+
+            lr = parts.optimizer.param_groups[0]["lr"]
+            if anomaly is None or anomaly.kind == "spike":
+                parts.optimizer.step()
+                detector.accept(step=step, grad_norm=grad_norm.item())
+            # else on_anomaly is warn: the step counts, but its non-finite gradients are not applied.
+            parts.lr_schedule.step()
             state.advance(epoch=epoch, samples=spec.batch_size * world_size)
             step_time_s = time.perf_counter() - step_started
 
@@ -153,7 +214,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 _log_progress(state.step, max_steps=spec.max_steps, values=values)
 
             # 6. Checkpoint; and stop here when the control plane asks.
-            stop = any_rank(telemetry.stop_requested.is_set(), device=device)
+            stop = verdict.stop_requested
             if checkpointer.due(state.step) or stop:
                 checkpointer.save(parts, state, metrics=values)
             if stop:
@@ -162,6 +223,36 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                         "stopped at step %d with a checkpoint, as the control plane asked", state.step
                     )
                 return
+
+
+def _stop_unless_allowed(anomaly: Anomaly, *, state: TrainState, spec: JobSpec) -> None:
+    """Raise the job's failure reason when `on_anomaly` (or the rollbacks left) says stop.
+
+    A ValueError: `trainers.launch.failure_reason` makes its message the job's one-line reason.
+    """
+    if spec.on_anomaly is AnomalyAction.STOP:
+        raise ValueError(f"{anomaly.describe()}; stopped (on_anomaly: stop)")
+    rollbacks = len(state.skipped_batches)
+    if spec.on_anomaly is AnomalyAction.ROLLBACK and rollbacks >= spec.anomaly.max_rollbacks:
+        raise ValueError(f"{anomaly.describe()}; stopped after {rollbacks} rollbacks (anomaly.max_rollbacks)")
+
+
+def _announce_rollback(telemetry: Telemetry, anomaly: Anomaly, *, state: TrainState, spec: JobSpec) -> None:
+    epoch, index = state.skipped_batches[-1]
+    rollbacks = len(state.skipped_batches)
+    where = (
+        f"the checkpoint at step {state.step}" if state.step else "the initial weights (no checkpoint yet)"
+    )
+    telemetry.event(
+        "rollback",
+        step=anomaly.step,
+        message=f"rolled back from step {anomaly.step} to {where}, skipping batch {index} of epoch {epoch} "
+        f"(rollback {rollbacks} of at most {spec.anomaly.max_rollbacks})",
+        restored_step=state.step,
+        skipped_epoch=epoch,
+        skipped_batch=index,
+        rollbacks=rollbacks,
+    )
 
 
 def _log_progress(step: int, *, max_steps: int, values: dict[str, float]) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,15 +36,6 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def any_rank(flag: bool, *, device: torch.device) -> bool:
-    """True on every rank when `flag` is true on any (a collective: every rank calls it at the same step)."""
-    if not is_distributed() or dist.get_world_size() == 1:
-        return flag
-    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
-
-
 def rank0_value(value: int, *, device: torch.device) -> int:
     """Rank 0's `value` on every rank (a collective: every rank calls it at the same point)."""
     if not is_distributed() or dist.get_world_size() == 1:
@@ -52,6 +43,20 @@ def rank0_value(value: int, *, device: torch.device) -> int:
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
     dist.broadcast(tensor, src=0)
     return int(tensor.item())
+
+
+def gather_values(values: Sequence[float], *, device: torch.device) -> list[list[float]]:
+    """Every rank's `values` (the same length on all), in rank order.
+
+    A collective: every rank calls it at the same step. float64, so a NaN or an infinity travels
+    as itself.
+    """
+    if not is_distributed() or dist.get_world_size() == 1:
+        return [list(values)]
+    mine = torch.tensor(list(values), dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [row.tolist() for row in gathered]
 
 
 def parallelize(model: nn.Module, *, strategy: Strategy, device: torch.device) -> nn.Module:

@@ -56,6 +56,10 @@ class TelemetryServer:
         with self.lock:
             return [batch["checkpoint"] for batch in self.batches if batch["checkpoint"] is not None]
 
+    def events(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [event for batch in self.batches for event in batch["events"]]
+
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()

@@ -37,6 +37,8 @@ def test_defaults_are_filled_and_builtin_config_is_completed() -> None:
     assert spec.checkpoint.every_steps is None
     assert spec.config["d_model"] == 64  # GPTConfig defaults are stored, so the trainer runs exactly this
     assert spec.dataset.format == "parquet"
+    assert spec.on_anomaly == "rollback"
+    assert spec.anomaly.max_rollbacks == 3 and spec.anomaly.min_steps <= spec.anomaly.window
 
 
 @pytest.mark.parametrize(
@@ -61,6 +63,12 @@ def test_defaults_are_filled_and_builtin_config_is_completed() -> None:
         ({"config": {"vocab_size": 1}}, "config"),
         ({"config": {"vocab_size": 64, "d_model": 30, "n_heads": 4}}, "config"),
         ({"name": "has space"}, "name"),
+        ({"on_anomaly": "ignore"}, "on_anomaly"),
+        ({"anomaly": {"zscore": 0}}, "anomaly.zscore"),
+        ({"anomaly": {"window": 1}}, "anomaly.window"),
+        ({"anomaly": {"max_rollbacks": -1}}, "anomaly.max_rollbacks"),
+        ({"anomaly": {"window": 10, "min_steps": 11}}, "anomaly"),
+        ({"anomaly": {"threshold": 3}}, "anomaly.threshold"),
     ],
 )
 def test_bad_values_name_the_field(overrides: dict[str, Any], field: str) -> None:

@@ -105,6 +105,39 @@ def test_a_format_2_checkpoint_still_loads(tmp_path: Path) -> None:
     assert fresh.lr_schedule.last_epoch == 1
 
 
+def test_skipped_batches_round_trip_and_older_formats_have_none(tmp_path: Path) -> None:
+    spec = make_spec(trainer="mlp", dataset="file:///unused", config={"num_classes": 4})
+    parts = build_parts(spec, {"input_size": 5})
+    state = TrainState(step=12, epoch=1, batches_in_epoch=3, samples_consumed=384)
+    state.skipped_batches = [(0, 7), (1, 2)]
+    save_checkpoint(tmp_path, parts, state, spec=spec, row_shape={"input_size": 5}, rng=[])
+    contents = load_checkpoint(tmp_path)
+    assert contents["format_version"] == 4
+    assert train_state_of(contents) == state
+    resumed = Resume(directory=tmp_path, contents=contents, seed=0).train_state(world_size=1)
+    assert resumed.skipped_batches == [(0, 7), (1, 2)]
+
+    # A format 3 checkpoint had no skip list: it reads as an empty one.
+    raw = torch.load(tmp_path / STATE_FILE, weights_only=True)
+    raw["format_version"] = 3
+    del raw["skipped_batches"]
+    torch.save(raw, tmp_path / STATE_FILE)
+    contents = load_checkpoint(tmp_path)
+    assert contents["skipped_batches"] == []
+    assert train_state_of(contents) == TrainState(step=12, epoch=1, batches_in_epoch=3, samples_consumed=384)
+
+
+def test_a_skipped_batch_moves_the_data_position_but_takes_no_step() -> None:
+    state = TrainState(step=4, epoch=0, batches_in_epoch=4, samples_consumed=128)
+    assert state.next_batch(0) == (0, 4)
+    assert state.next_batch(1) == (1, 0)  # the stream rolled over: the first batch of the next epoch
+    state.pass_batch(epoch=0)
+    assert state == TrainState(step=4, epoch=0, batches_in_epoch=5, samples_consumed=128)
+    state.pass_batch(epoch=1)
+    state.advance(epoch=1, samples=32)
+    assert state == TrainState(step=5, epoch=1, batches_in_epoch=2, samples_consumed=160)
+
+
 def test_mlp_checkpoint_rebuilds_with_input_size(tmp_path: Path) -> None:
     spec = make_spec(trainer="mlp", dataset="file:///unused", config={"num_classes": 4})
     parts = build_parts(spec, {"input_size": 5})
