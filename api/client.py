@@ -97,7 +97,7 @@ class ApiaryClient:
         result: list[dict[str, Any]] = self._request("GET", f"/jobs/{job_id}/events")["data"]
         return result
 
-    def metrics(self, job_id: int, **filters: int) -> list[dict[str, Any]]:
+    def metrics(self, job_id: int, **filters: int | str) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self._request("GET", f"/jobs/{job_id}/metrics", params=filters)["data"]
         return result
 

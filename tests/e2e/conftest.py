@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from api.client import ApiaryClient
+from api.demo import classification_table, write_shards
 from service.cluster import free_port
 from tests.support.wait import wait_until
 
@@ -115,3 +116,26 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 def client(served: Served) -> Iterator[ApiaryClient]:
     with ApiaryClient(served.url, user="e2e") as client:
         yield client
+
+
+def mlp_spec(dataset: str, **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": "e2e-mlp",
+        "trainer": "mlp",
+        "num_workers": 2,
+        "resources_per_worker": {"CPU": 1},
+        "dataset": {"uri": dataset},
+        "max_steps": 30,
+        "batch_size": 16,
+        "checkpoint": {"every_steps": 10},
+        "config": {"task": "classification", "num_classes": 3, "lr": 0.01},
+    }
+    spec.update(overrides)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    uri = (tmp_path_factory.mktemp("data") / "clf").as_uri()
+    write_shards(classification_table(num_rows=1024, num_features=8, num_classes=3), uri, num_shards=4)
+    return uri

@@ -15,36 +15,12 @@ import pytest
 import torch
 
 from api.client import ApiaryClient
-from api.demo import classification_table, write_shards
 from service.states import TERMINAL_STATES
-from tests.e2e.conftest import Served, start_serve, stop_serve
+from tests.e2e.conftest import Served, mlp_spec, start_serve, stop_serve
 from tests.support.wait import wait_until
 from trainers.checkpoint import build_model_from_checkpoint, load_checkpoint
 
 pytestmark = [pytest.mark.timeout(420)]
-
-
-def mlp_spec(dataset: str, **overrides: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "name": "e2e-mlp",
-        "trainer": "mlp",
-        "num_workers": 2,
-        "resources_per_worker": {"CPU": 1},
-        "dataset": {"uri": dataset},
-        "max_steps": 30,
-        "batch_size": 16,
-        "checkpoint": {"every_steps": 10},
-        "config": {"task": "classification", "num_classes": 3, "lr": 0.01},
-    }
-    spec.update(overrides)
-    return spec
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
-    uri = (tmp_path_factory.mktemp("data") / "clf").as_uri()
-    write_shards(classification_table(num_rows=1024, num_features=8, num_classes=3), uri, num_shards=4)
-    return uri
 
 
 def wait_for_state(client: ApiaryClient, job_id: int, state: str, timeout_s: float = 180) -> dict[str, Any]:

@@ -1,0 +1,37 @@
+"""Find the processes of a local Ray job on this machine (from /proc), to kill them as a failure would."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def environ(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().replace(b"\0", b"\n").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def train_workers() -> list[int]:
+    """Ray Train worker processes (their title is `ray::RayTrainWorker...`)."""
+    return [pid for pid in pids() if cmdline(pid).startswith("ray::RayTrainWorker")]
+
+
+def job_driver(job_id: int) -> int | None:
+    """The `python -m trainers.launch` driver of Apiary job `job_id`."""
+    for pid in pids():
+        if "-m trainers.launch" in cmdline(pid) and f'"job_id":{job_id},' in environ(pid).replace(" ", ""):
+            return pid
+    return None
