@@ -50,7 +50,7 @@ import ray.data
 import ray.train
 from pydantic import ValidationError
 from ray.data import ExecutionOptions, ExecutionResources
-from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+from ray.train.v2._internal.exceptions import RayTrainError, UserExceptionWithTraceback
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 from ray.train.v2.api import data_parallel_trainer
 from ray.train.v2.api.config import FailureConfig
@@ -133,13 +133,16 @@ class ApiaryFailurePolicy(DefaultFailurePolicy):
         telemetry.close()
 
 
-def _is_own_error(error: Exception) -> bool:
-    if not isinstance(error, UserExceptionWithTraceback):
-        return False  # a dead worker (WorkerHealthCheckFailedError) or Ray's own trouble
-    cause = error._base_exc
-    if isinstance(cause, ray.exceptions.RayError) and not isinstance(cause, ray.exceptions.RayTaskError):
-        return False
-    return not _COLLATERAL.search(f"{type(cause).__name__}: {cause}")
+def _is_own_error(error: BaseException) -> bool:
+    """Whether a rank's failure is an exception of the job's own code (Ray hands the rank's exception
+    over as raised; older releases wrapped it in UserExceptionWithTraceback)."""
+    if isinstance(error, UserExceptionWithTraceback):
+        error = error._base_exc
+    if isinstance(error, RayTrainError | ray.exceptions.RayError) and not isinstance(
+        error, ray.exceptions.RayTaskError
+    ):
+        return False  # a dead or unresponsive worker (WorkerHealthCheckFailedError), Ray's own trouble
+    return not _COLLATERAL.search(f"{type(error).__name__}: {error}")
 
 
 @dataclass(frozen=True, kw_only=True)

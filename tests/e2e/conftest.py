@@ -61,8 +61,9 @@ def start_serve(
     log: Path,
     env: dict[str, str] | None = None,
     timeout_s: float = 120,
+    port: int | None = None,
 ) -> Served:
-    port = free_port()
+    port = port or free_port()
     env = {**os.environ, "APIARY_DATA_DIR": str(data_dir), "APIARY_DATABASE_URL": database_url, **(env or {})}
     with log.open("wb") as out:
         process = subprocess.Popen(

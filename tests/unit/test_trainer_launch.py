@@ -86,3 +86,21 @@ def test_load_custom_trainer() -> None:
         load_custom_trainer("os.path:nope")
     with pytest.raises(ValueError, match=r"package\.module:function"):
         load_custom_trainer("os.path")
+
+
+def test_only_the_jobs_own_exceptions_are_final_for_ray_train() -> None:
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+    from ray.train.v2.api import data_parallel_trainer
+
+    from trainers.launch import _is_own_error
+
+    assert _is_own_error(ValueError("label 2 is outside [0, num_classes=2)"))
+    assert _is_own_error(KeyError("x"))
+    # A dead worker, and the collective a dead peer broke on a surviving rank: Ray Train restarts them.
+    assert not _is_own_error(WorkerHealthCheckFailedError("worker 1 died", ActorDiedError()))
+    assert not _is_own_error(
+        RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]")
+    )
+    # Where trainers.launch installs its failure policy in Ray Train (2.60): fails loudly if it moves.
+    assert callable(data_parallel_trainer.create_failure_policy)
