@@ -7,7 +7,7 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.jobs import QueueView
-from service.models import Job, JobEvent, Metric
+from service.models import Checkpoint, CheckpointState, Job, JobEvent, Metric
 from service.queues import QueueConfig
 from service.spec import JobSpec
 from service.states import JobState
@@ -95,6 +95,31 @@ class MetricPublic(BaseModel):
 
 class MetricsPublic(BaseModel):
     data: list[MetricPublic]
+    count: int
+
+
+class CheckpointPublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    step: int
+    attempt: int
+    uri: str
+    state: CheckpointState = Field(
+        description="kept; deleting (retention decided, storage not done yet: retried); deleted."
+    )
+    metrics: dict[str, float] = Field(description="Rank 0's step metrics at its step ({} if not known).")
+    created_at: datetime
+    delete_attempts: int
+    last_error: str | None = Field(description="Why the last deletion failed, or was not made.")
+    deleted_at: datetime | None
+
+    @classmethod
+    def build(cls, checkpoint: Checkpoint) -> CheckpointPublic:
+        return cls.model_validate(checkpoint)
+
+
+class CheckpointsPublic(BaseModel):
+    data: list[CheckpointPublic]
     count: int
 
 

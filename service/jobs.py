@@ -13,7 +13,7 @@ from service import repository
 from service.cluster import ClusterBackend, stop_job
 from service.db import Database
 from service.errors import ClusterUnavailable, InvalidSpec, InvalidTransition, Unschedulable
-from service.models import Job, JobEvent, Metric
+from service.models import Checkpoint, Job, JobEvent, Metric
 from service.policy import ClusterSnapshot, Gang, capacity_text, fits_empty_cluster
 from service.protocol import GROUP_STARTED, TelemetryBatch, TelemetryReply
 from service.queues import QueueConfig
@@ -133,7 +133,9 @@ class JobService:
                     session, job, actor=f"rank {event.rank}", reason=f"{event.message} [{event.kind}]"
                 )
             if batch.checkpoint is not None:
-                repository.set_checkpoint(session, job, step=batch.checkpoint.step, uri=batch.checkpoint.uri)
+                repository.set_checkpoint(
+                    session, job, step=batch.checkpoint.step, uri=batch.checkpoint.uri, attempt=batch.attempt
+                )
             # Only the attempt that was told to stop: an older attempt's late post changes nothing.
             stop = job.state is JobState.PREEMPTING and batch.attempt == job.attempt
             return TelemetryReply(stored=stored, stop=stop)
@@ -215,6 +217,10 @@ class JobService:
                 limit=limit,
                 only_counted=only_counted,
             )
+
+    def list_checkpoints(self, job_id: int) -> list[Checkpoint]:
+        with self.db.session() as session:
+            return repository.list_checkpoints(session, job_id)
 
     def _apply_queue(self, spec: JobSpec) -> JobSpec:
         queue = self.settings.queues.of(spec.queue)

@@ -1,14 +1,16 @@
-"""Database tables: jobs, their event history and per-step metrics; the scheduler's lease and the owners'
-fair-share usage."""
+"""Database tables: jobs, their event history, per-step metrics and checkpoints; the scheduler's lease and
+the owners' fair-share usage."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Enum,
     Float,
@@ -145,6 +147,55 @@ class Metric(Base):
         # A trainer re-posts a batch whose answer it lost: the same point twice is one row.
         UniqueConstraint("job_id", "attempt", "segment", "rank", "step", name="uq_metrics_point"),
         Index("ix_metrics_job_step", "job_id", "step"),
+    )
+
+
+class CheckpointState(StrEnum):
+    """Where a checkpoint is in its retention (service.retention): deletion is two-phase, so a folder
+    is only ever removed from storage while its row says `deleting`."""
+
+    KEPT = "kept"
+    DELETING = "deleting"  # decided; the folder may be partly gone; retried until it is
+    DELETED = "deleted"
+
+
+class Checkpoint(Base):
+    """One checkpoint a job's trainers reported (persisted in storage), and its retention."""
+
+    __tablename__ = "checkpoints"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    uri: Mapped[str] = mapped_column(Text)
+    # Rank 0's step metrics at `step` (what keep_best ranks by); {} while not known.
+    metrics: Mapped[dict[str, float]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    state: Mapped[CheckpointState] = mapped_column(
+        Enum(
+            CheckpointState,
+            name="checkpoint_state",
+            native_enum=False,
+            create_constraint=True,
+            length=16,
+            values_callable=lambda states: [state.value for state in states],
+            validate_strings=True,
+        ),
+        default=CheckpointState.KEPT,
+    )
+    # Whether a retention pass has work with this row: a new checkpoint to judge, or a deletion to
+    # (re)try once `retry_at` has passed. Indexed, so that a pass finds its jobs without a scan.
+    retention_due: Mapped[bool] = mapped_column(Boolean, default=True, index=True)
+    delete_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    retry_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        # A re-posted report (its answer was lost) is the same checkpoint.
+        UniqueConstraint("job_id", "uri", name="uq_checkpoints_job_uri"),
+        Index("ix_checkpoints_job_step", "job_id", "step"),
     )
 
 

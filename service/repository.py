@@ -14,7 +14,16 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from service.errors import InvalidTransition, JobNotFound
-from service.models import Job, JobEvent, Metric, OwnerUsage, SchedulerLease, utcnow
+from service.models import (
+    Checkpoint,
+    CheckpointState,
+    Job,
+    JobEvent,
+    Metric,
+    OwnerUsage,
+    SchedulerLease,
+    utcnow,
+)
 from service.protocol import MetricPoint
 from service.spec import JobSpec
 from service.states import ACTIVE_STATES, JobState, StopReason, can_transition
@@ -388,8 +397,10 @@ def list_metrics(
     return list(session.scalars(query))
 
 
-def set_checkpoint(session: Session, job: Job, *, step: int, uri: str) -> bool:
-    """Record a newer checkpoint; an older or repeated one is ignored. Returns whether it was newer."""
+def set_checkpoint(session: Session, job: Job, *, step: int, uri: str, attempt: int | None = None) -> bool:
+    """Record a reported checkpoint (a `checkpoints` row, for retention) and, when it is newer than the
+    job's latest, make it the one the job resumes from. Returns whether it was newer."""
+    add_checkpoint(session, job, step=step, uri=uri, attempt=job.attempt if attempt is None else attempt)
     if job.latest_checkpoint_step is not None and step <= job.latest_checkpoint_step:
         return False
     job.latest_checkpoint = uri
@@ -397,3 +408,109 @@ def set_checkpoint(session: Session, job: Job, *, step: int, uri: str) -> bool:
     job.last_checkpoint_at = utcnow()
     record_event(session, job, actor="trainer", reason=f"checkpoint at step {step}: {uri}")
     return True
+
+
+# -- checkpoints and their retention (service.retention) ---------------------------------------------
+
+
+def add_checkpoint(session: Session, job: Job, *, step: int, uri: str, attempt: int) -> None:
+    """The row of a reported checkpoint, with rank 0's metrics at its step (stored before it in the
+    same telemetry post). Reported again, it stays one row; a folder written again after its
+    deletion (same uri) is kept again."""
+    existing = session.scalars(
+        select(Checkpoint).where(Checkpoint.job_id == job.id, Checkpoint.uri == uri)
+    ).one_or_none()
+    if existing is not None:
+        if existing.state is CheckpointState.DELETED:
+            existing.state = CheckpointState.KEPT
+            existing.retention_due = True
+            existing.deleted_at = None
+            existing.step, existing.attempt = step, attempt
+            existing.metrics = step_metrics(session, job.id, step) or {}
+        return
+    values = {
+        "job_id": job.id,
+        "attempt": attempt,
+        "step": step,
+        "uri": uri,
+        "metrics": step_metrics(session, job.id, step) or {},
+        "created_at": utcnow(),
+        "state": CheckpointState.KEPT,
+        "retention_due": True,
+        "delete_attempts": 0,
+    }
+    session.execute(
+        _insert(session)(Checkpoint).values(**values).on_conflict_do_nothing(index_elements=["job_id", "uri"])
+    )
+
+
+def step_metrics(session: Session, job_id: int, step: int) -> dict[str, float] | None:
+    """Rank 0's values at `step`, from the latest (attempt, segment) that trained it; None if not stored."""
+    query = (
+        select(Metric.values)
+        .where(Metric.job_id == job_id, Metric.step == step, Metric.rank == 0)
+        .order_by(Metric.attempt.desc(), Metric.segment.desc())
+        .limit(1)
+    )
+    values = session.scalar(query)
+    return dict(values) if values is not None else None
+
+
+def list_checkpoints(session: Session, job_id: int) -> list[Checkpoint]:
+    """A job's checkpoints by step (all of them: kept, being deleted and deleted)."""
+    get_job(session, job_id)
+    query = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step, Checkpoint.id)
+    return list(session.scalars(query))
+
+
+def retention_due(session: Session, *, now: datetime, limit: int) -> list[int]:
+    """Jobs whose checkpoints a retention pass has work with: new ones to judge, or deletions to retry
+    (once their `retry_at` has passed). One query on an index: settled rows are not read."""
+    query = (
+        select(Checkpoint.job_id)
+        .where(
+            Checkpoint.retention_due.is_(True),
+            or_(Checkpoint.retry_at.is_(None), Checkpoint.retry_at <= now),
+        )
+        .group_by(Checkpoint.job_id)
+        .order_by(Checkpoint.job_id)
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def live_checkpoints(session: Session, job_id: int) -> list[Checkpoint]:
+    """A job's checkpoints that are still in storage, wholly or partly (kept or deleting)."""
+    query = (
+        select(Checkpoint)
+        .where(Checkpoint.job_id == job_id, Checkpoint.state != CheckpointState.DELETED)
+        .order_by(Checkpoint.step, Checkpoint.id)
+    )
+    return list(session.scalars(query))
+
+
+def checkpoint_deleted(session: Session, checkpoint_id: int, *, now: datetime) -> bool:
+    """deleting -> deleted, now that its folder is gone from storage; False if it was not deleting."""
+    done = session.execute(
+        update(Checkpoint)
+        .where(Checkpoint.id == checkpoint_id, Checkpoint.state == CheckpointState.DELETING)
+        .values(
+            state=CheckpointState.DELETED,
+            retention_due=False,
+            delete_attempts=Checkpoint.delete_attempts + 1,
+            last_error=None,
+            retry_at=None,
+            deleted_at=now,
+        )
+        .returning(Checkpoint.id)
+    ).first()
+    return done is not None
+
+
+def checkpoint_delete_failed(session: Session, checkpoint_id: int, *, error: str, retry_at: datetime) -> None:
+    """A deletion that failed stays `deleting`, to be tried again from `retry_at`."""
+    session.execute(
+        update(Checkpoint)
+        .where(Checkpoint.id == checkpoint_id, Checkpoint.state == CheckpointState.DELETING)
+        .values(delete_attempts=Checkpoint.delete_attempts + 1, last_error=error, retry_at=retry_at)
+    )

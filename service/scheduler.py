@@ -16,7 +16,9 @@ expiry, renewed every tick; another replica takes over once it expires):
    between leaves a record the next reconcile repairs, never an untracked Ray job; after submitting
    it checks the row again and stops its submission if a replica that took the lease meanwhile
    requeued the job, so one attempt runs at a time), and store every
-   waiting job's position, reason and ETA (changed rows only, one statement).
+   waiting job's position, reason and ETA (changed rows only, one statement);
+4. retain: delete the checkpoints that the jobs' `checkpoint.keep_last`/`keep_best` let go, never the
+   one a job resumes from (service.retention; only jobs with new checkpoints or deletions to retry).
 
 Every decision is written in a transaction that first checks, with the lease row locked, that this
 replica still holds the lease: two replicas never admit the same job or over-commit the cluster.
@@ -47,9 +49,11 @@ from service.jobs import gang_for
 from service.models import Job
 from service.policy import ClusterSnapshot, Decisions, Gang, Preemption, decayed_usage, decide, dominant_share
 from service.protocol import JobFailure, LaunchRequest, entrypoint, failure_from_logs, launch_env
+from service.retention import Retention
 from service.settings import Settings
 from service.spec import JobSpec
 from service.states import ACTIVE_STATES, JobState, StopReason
+from service.storage import checkpoint_uri
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +88,14 @@ class Scheduler:
         self._draining = threading.Event()  # a clean stop is under way: admit nothing
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self.retention = Retention(
+            db=db,
+            fenced=self._fenced,
+            run_uri=lambda job_id: checkpoint_uri(
+                storage_uri=settings.resolved_storage_uri, run_name=run_name(job_id), name=""
+            ),
+            s3_endpoint_url=settings.s3_endpoint_url,
+        )
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -157,6 +169,7 @@ class Scheduler:
         self.reconcile(active, now)
         self.enforce(active, now)
         self.schedule(now)
+        self.retention.run_pass(_utc(now))
 
     def _hold_lease(self, now: float) -> bool:
         with self.db.session() as session:

@@ -68,11 +68,33 @@ class DatasetSpec(Strict):
         return uri
 
 
+class KeepBest(Strict):
+    """Also keep the `count` checkpoints with the best value of a step metric (rank 0's, at the
+    checkpoint's step), lowest first for `mode: min`, highest first for `max`."""
+
+    metric: str = Field(
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$",
+        description="A metric the trainers report with each step, e.g. 'loss' (built-ins: trainers.loop).",
+    )
+    mode: Literal["min", "max"] = Field(description="min: lower is better (loss); max: higher is.")
+    count: int = Field(default=1, ge=1, le=1000)
+
+
 class CheckpointSpec(Strict):
     every_steps: int | None = Field(
         default=None,
         ge=1,
         description="Save a checkpoint every N steps; a final one is always saved at max_steps.",
+    )
+    keep_last: int = Field(
+        default=3,
+        ge=1,
+        le=1000,
+        description="The service deletes older checkpoints beyond the newest keep_last (and keep_best); "
+        "the one the job resumes from is always kept (service.retention).",
+    )
+    keep_best: KeepBest | None = Field(
+        default=None, description="Also keep the best checkpoints by a step metric, e.g. {metric: loss}."
     )
 
 

@@ -7,7 +7,16 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, status
 
 from api.deps import JobsDep, OwnerDep, SchedulerDep
-from api.schemas import EventPublic, EventsPublic, JobPublic, JobsPublic, MetricPublic, MetricsPublic
+from api.schemas import (
+    CheckpointPublic,
+    CheckpointsPublic,
+    EventPublic,
+    EventsPublic,
+    JobPublic,
+    JobsPublic,
+    MetricPublic,
+    MetricsPublic,
+)
 from service.spec import JobSpec
 from service.states import JobState
 
@@ -87,3 +96,11 @@ def list_metrics(
         only_counted=segments == "counted",
     )
     return MetricsPublic(data=[MetricPublic.build(point) for point in points], count=len(points))
+
+
+@router.get("/{job_id}/checkpoints", response_model=CheckpointsPublic)
+def list_checkpoints(job_id: int, jobs: JobsDep) -> CheckpointsPublic:
+    """Every checkpoint the job reported, by step, with its retention state (kept, deleting, deleted)
+    and rank 0's step metrics; the job's `latest_checkpoint` is always kept."""
+    checkpoints = jobs.list_checkpoints(job_id)
+    return CheckpointsPublic(data=[CheckpointPublic.build(c) for c in checkpoints], count=len(checkpoints))
