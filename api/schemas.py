@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,6 +39,10 @@ class JobPublic(BaseModel):
         description="preempted | user | max_runtime | shutdown, while preempting."
     )
     preemptions: int
+    ranks: dict[str, dict[str, Any]] | None = Field(
+        description="Each rank of the running worker group: step, phase, node, when last heard from "
+        "(seen), its own work per step (own_s) and whether it is a straggler."
+    )
     restarts: int = Field(description="Worker-group restarts inside Ray Train (a worker died).")
     failures: int = Field(
         description="Failures counted against the spec's max_failures: restarts, lost drivers and Ray jobs."

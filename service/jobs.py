@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -120,14 +121,24 @@ class JobService:
                 repository.note_segment(
                     session, job, segment=batch.segment, resumed_from=_resumed_from(batch)
                 )
+            current = current and batch.segment >= (job.segment or 0)
             stored = repository.add_metrics(
                 session,
                 job,
                 attempt=batch.attempt,
                 segment=batch.segment,
                 points=batch.points,
-                current=current and batch.segment >= (job.segment or 0),
+                current=current,
             )
+            if current and batch.status is not None:
+                repository.note_rank_status(
+                    session,
+                    job,
+                    batch.status,
+                    points=batch.points,
+                    now=time.time(),
+                    straggler_factor=self.settings.straggler_factor,
+                )
             for event in batch.events:
                 repository.record_event(
                     session, job, actor=f"rank {event.rank}", reason=f"{event.message} [{event.kind}]"

@@ -98,6 +98,9 @@ class Job(Base):
     restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     segment: Mapped[int | None] = mapped_column(BigInteger)
+    # Each rank of the current worker group: its last RankStatus (service.protocol), when the service
+    # heard from it (`seen`), its own work per step (`own_s`) and whether it is a straggler.
+    ranks: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan"

@@ -120,6 +120,27 @@ class TrainerEvent(Strict):
     data: dict[str, float | int | str] = Field(default_factory=dict)
 
 
+# A rank posts at least this often, with its `RankStatus`, even when it has no new point: the service
+# tells a rank that stopped reporting (a frozen process, a lost node) from one that waits.
+HEARTBEAT_S = 5.0
+
+
+class RankStatus(Strict):
+    """What one rank is doing, sent with every post: how the service finds hangs and stragglers."""
+
+    rank: int = Field(ge=0)
+    step: int = Field(ge=0, description="The last step this rank completed.")
+    step_at: float | None = Field(description="When it completed it (Unix seconds); None before step 1.")
+    phase: str = Field(
+        pattern=r"^[a-z_]{1,16}$",
+        description="starting | data (waiting for its next batch) | compute (forward and backward, "
+        "which includes DDP's gradient all-reduce) | sync (the step's collective) | checkpoint | done",
+    )
+    phase_since: float = Field(description="When it entered `phase` (Unix seconds).")
+    node: str = Field(max_length=128, description="The node it runs on (IP and Ray node id).")
+    pid: int
+
+
 class TelemetryBatch(Strict):
     """One post from a trainer rank to the control plane."""
 
@@ -135,6 +156,7 @@ class TelemetryBatch(Strict):
     points: list[MetricPoint] = Field(default_factory=list, max_length=10_000)
     checkpoint: CheckpointRecord | None = None
     events: list[TrainerEvent] = Field(default_factory=list, max_length=100)
+    status: RankStatus | None = None
 
 
 class TelemetryReply(Strict):

@@ -24,7 +24,7 @@ from service.models import (
     SchedulerLease,
     utcnow,
 )
-from service.protocol import MetricPoint
+from service.protocol import MetricPoint, RankStatus
 from service.spec import JobSpec
 from service.states import ACTIVE_STATES, JobState, StopReason, can_transition
 
@@ -111,6 +111,7 @@ SCHEDULING_COLUMNS = (
     Job.queue_position,
     Job.waiting_reason,
     Job.eta_at,
+    Job.ranks,
 )
 
 
@@ -225,6 +226,7 @@ def transition(
         setattr(job, name, value)
     if target in (JobState.ADMITTED, JobState.RECOVERING):
         job.admitted_at = now  # when this attempt was submitted
+        job.ranks = None
     elif target is JobState.RUNNING:
         job.started_at = job.started_at or now
     if target.is_terminal:
@@ -280,11 +282,13 @@ def note_segment(session: Session, job: Job, *, segment: int, resumed_from: int 
         return
     if job.segment is None:
         job.segment = segment
+        job.ranks = None
         return
     if resumed_from is None:
         return  # a post with neither points nor its start event: the next one says where it resumed
     lost = max(0, (job.latest_step or 0) - resumed_from)
     job.segment = segment
+    job.ranks = None
     job.restarts += 1
     job.failures += 1
     job.latest_step = resumed_from
@@ -302,6 +306,54 @@ def note_segment(session: Session, job: Job, *, segment: int, resumed_from: int 
         lost,
         extra={"action": "job_restarted", "job": {"id": job.id, "restarts": job.restarts}},
     )
+
+
+# A rank is a straggler after this many posts in a row slower than the others (and no longer one after
+# as many in a row that are not).
+STRAGGLER_POSTS = 3
+
+
+def note_rank_status(
+    session: Session,
+    job: Job,
+    status: RankStatus,
+    *,
+    points: Sequence[MetricPoint],
+    now: float,
+    straggler_factor: float,
+) -> None:
+    """Keep what a rank of the current worker group says it is doing (`Job.ranks`), and record a rank
+    that turns into a straggler (or stops being one) as an event."""
+    ranks = {key: dict(value) for key, value in (job.ranks or {}).items()}
+    key = str(status.rank)
+    entry = {**ranks.get(key, {}), **status.model_dump(), "seen": now}
+    own = sorted(
+        p.values.get("data_wait_s", 0.0) + p.values["forward_s"] for p in points if "forward_s" in p.values
+    )
+    if own:
+        entry["own_s"] = own[len(own) // 2]
+    ranks[key] = entry
+    others = sorted(other["own_s"] for name, other in ranks.items() if name != key and "own_s" in other)
+    if own and others:
+        median = others[len(others) // 2]
+        slow = median > 0 and entry["own_s"] > straggler_factor * median
+        streak = entry.get("streak", 0)
+        streak = (max(streak, 0) + 1) if slow else (min(streak, 0) - 1)
+        entry["streak"] = streak
+        was = bool(entry.get("straggler"))
+        if (not was and streak >= STRAGGLER_POSTS) or (was and streak <= -STRAGGLER_POSTS):
+            entry["straggler"] = not was
+            reason = (
+                f"rank {status.rank} on node {status.node} is a straggler: its own work (data wait + "
+                f"forward) takes {entry['own_s'] * 1000:.1f} ms a step against {median * 1000:.1f} ms for "
+                f"the other ranks ({entry['own_s'] / median:.1f}x) at step {status.step}"
+                if not was
+                else f"rank {status.rank} on node {status.node} is no longer a straggler "
+                f"({entry['own_s'] * 1000:.1f} ms a step against {median * 1000:.1f} ms)"
+            )
+            record_event(session, job, actor="service", reason=reason)
+            logger.warning(reason, extra={"action": "straggler", "job": {"id": job.id, "rank": status.rank}})
+    job.ranks = ranks
 
 
 def add_metrics(

@@ -48,7 +48,7 @@ from service.errors import ClusterUnavailable
 from service.jobs import gang_for
 from service.models import Job
 from service.policy import ClusterSnapshot, Decisions, Gang, Preemption, decayed_usage, decide, dominant_share
-from service.protocol import JobFailure, LaunchRequest, entrypoint, failure_from_logs, launch_env
+from service.protocol import HEARTBEAT_S, JobFailure, LaunchRequest, entrypoint, failure_from_logs, launch_env
 from service.retention import Retention
 from service.settings import Settings
 from service.spec import JobSpec
@@ -360,7 +360,8 @@ class Scheduler:
     # -- 2. enforce -----------------------------------------------------------------------------
 
     def enforce(self, active: Sequence[Any], now: float) -> None:
-        """Stop what has run too long (`repository.scheduling_rows` of the active jobs)."""
+        """Stop what has run too long, and restart what hangs (`repository.scheduling_rows` of the active
+        jobs)."""
         grace_s = self.queues.preempt_grace_s
         overdue = [
             row.id
@@ -386,6 +387,63 @@ class Scheduler:
                 extra={"action": "stop_forced", "submission_id": submission_id},
             )
             stop_job(self.backend, submission_id)
+        for row in active:
+            if row.state is JobState.RUNNING and row.ray_submission_id is not None:
+                hang = self._hang(row, now)
+                if hang is not None:
+                    self._restart_hung(row.id, row.ray_submission_id, why=hang)
+
+    def _hang(self, row: Any, now: float) -> str | None:
+        """Why a running job is hung (no rank completed a step for the hang timeout), or None.
+
+        The rank to blame, in order: one that stopped reporting (a frozen process, a lost node); one
+        stuck outside a collective (reading data, writing a checkpoint); else it is not known, since
+        every rank waits on the others."""
+        ranks = list((row.ranks or {}).values())
+        done = [rank["step_at"] for rank in ranks if rank.get("step_at") is not None]
+        if not done:
+            return None  # no step yet: the start timeout and Ray Train's own start-up checks apply
+        timeout_s = max(self.settings.hang_floor_s, self.settings.hang_factor * (row.seconds_per_step or 0))
+        idle_s = now - max(done)
+        if idle_s < timeout_s:
+            return None
+        silent = sorted(
+            (rank for rank in ranks if now - rank["seen"] > 3 * HEARTBEAT_S), key=lambda r: r["seen"]
+        )
+        stuck = sorted(
+            (rank for rank in ranks if rank["phase"] not in ("sync", "compute", "done")),
+            key=lambda r: r["phase_since"],
+        )
+        if silent:
+            rank = silent[0]
+            blame = (
+                f"rank {rank['rank']} on node {rank['node']} stopped reporting "
+                f"{now - rank['seen']:.0f} s ago (after step {rank['step']}, in {rank['phase']}): "
+                "frozen, or cut off"
+            )
+        elif stuck:
+            rank = stuck[0]
+            blame = (
+                f"rank {rank['rank']} on node {rank['node']} has been in {rank['phase']} for "
+                f"{now - rank['phase_since']:.0f} s (after step {rank['step']}) while the others wait"
+            )
+        else:
+            blame = "every rank waits on a collective: which one holds them up is not known"
+        return f"no rank completed a step for {idle_s:.0f} s (hang timeout {timeout_s:.0f} s): {blame}"
+
+    def _restart_hung(self, job_id: int, submission_id: str, *, why: str) -> None:
+        """Stop a hung attempt and resubmit the job from its checkpoint (a failure, like a lost driver)."""
+        with self.db.session() as session:
+            if not self._fenced(session):
+                return
+            job = repository.get_job(session, job_id, for_update=True)
+            if job.state is not JobState.RUNNING or job.ray_submission_id != submission_id:
+                return
+            launch = self._recover(session, job, why=why)
+        logger.warning("job %s hung: %s", job_id, why, extra={"action": "job_hung", "job": {"id": job_id}})
+        stop_job(self.backend, submission_id)
+        if launch is not None:
+            self._submit(job_id, launch)
 
     def request_stop(self, job_id: int, why: StopReason, *, reason: str) -> bool:
         """running -> preempting (service.states), if this replica still schedules."""

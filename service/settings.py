@@ -58,6 +58,19 @@ class Settings(BaseSettings):
         default=1.0, gt=0, description="CPUs reserved per job for its Ray Data tasks (part of its gang)."
     )
     scheduler_interval_s: float = Field(default=1.0, gt=0)
+    hang_floor_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A running job none of whose ranks completed a step for max(this, hang_factor x its "
+        "seconds per step) is hung: its worker group is restarted from the checkpoint.",
+    )
+    hang_factor: float = Field(default=10.0, gt=1)
+    straggler_factor: float = Field(
+        default=1.5,
+        gt=1,
+        description="A rank whose own work per step (data wait + forward) exceeds this multiple of the "
+        "other ranks' median for 3 posts in a row is recorded as a straggler.",
+    )
     start_timeout_s: float = Field(
         default=300.0,
         gt=0,

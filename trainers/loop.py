@@ -48,8 +48,10 @@ import sys
 import time
 from typing import Any
 
+import ray
 import ray.train
 import ray.train.torch
+import ray.util
 import torch
 
 from service.protocol import GROUP_STARTED, LaunchRequest
@@ -64,7 +66,16 @@ from trainers.telemetry import Telemetry
 logger = logging.getLogger(__name__)
 
 # The values every rank records for every step, in this order.
-STEP_METRICS = ("loss", "lr", "grad_norm", "samples_per_s", "step_time_s", "data_wait_s", "epoch")
+STEP_METRICS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "samples_per_s",
+    "step_time_s",
+    "data_wait_s",
+    "forward_s",  # the forward pass alone: this rank's own work, which stragglers stand out by
+    "epoch",
+)
 # Rank 0's progress line in the job log: step 1, then at most this often, and the last step. Each
 # line travels through Ray's log monitor to the driver while the ranks hold the cores; every step's
 # metrics of every rank reach the service as telemetry anyway.
@@ -117,6 +128,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         telemetry = stack.enter_context(
             Telemetry(url=request.telemetry_url, attempt=request.attempt, rank=rank)
         )
+        telemetry.node = f"{ray.util.get_node_ip_address()} ({ray.get_runtime_context().get_node_id()[:8]})"
         # This start of the worker group (a restart inside Ray Train replays steps): rank 0's clock.
         telemetry.segment = rank0_value(time.time_ns() // 1_000_000, device=device)
         checkpointer = Checkpointer(request, row_shape=dataset.row_shape, rank=rank, telemetry=telemetry)
@@ -146,14 +158,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         # 4. Exactly max_steps optimizer steps.
         while state.step < spec.max_steps:
             step_started = time.perf_counter()
+            telemetry.progress("data")
             epoch, batch = next(batches)
             if state.next_batch(epoch) in state.skipped_batches:
                 state.pass_batch(epoch=epoch)  # a rollback skipped it: as if it were not in the data
                 continue
             data_wait_s = time.perf_counter() - step_started
+            telemetry.progress("compute")
 
             with autocast(spec.precision, device=device):
                 loss = trainer.loss(parts.model, batch)
+            forward_s = time.perf_counter() - step_started - data_wait_s
             parts.optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces the gradients here
             grad_norm = clip_grad_norm(parts.model, max_norm=grad_clip)
@@ -162,6 +177,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             # the control plane asked to stop (the one small collective of every step).
             step = state.step + 1
             seen = detector.check(step=step, loss=loss.item(), grad_norm=grad_norm.item())
+            telemetry.progress("sync")
             verdict = decide(
                 gather_values(encode(seen, stop_requested=telemetry.stop_requested.is_set()), device=device),
                 step=step,
@@ -205,6 +221,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "samples_per_s": spec.batch_size / step_time_s,
                 "step_time_s": step_time_s,
                 "data_wait_s": data_wait_s,
+                "forward_s": forward_s,
                 "epoch": float(epoch),
             }
             telemetry.record(state.step, values)
@@ -215,14 +232,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
             # 6. Checkpoint; and stop here when the control plane asks.
             stop = verdict.stop_requested
-            if checkpointer.due(state.step) or stop:
+            saving = checkpointer.due(state.step) or stop
+            telemetry.progress("checkpoint" if saving else "data", step=state.step)
+            if saving:
                 checkpointer.save(parts, state, metrics=values)
             if stop:
                 if rank == 0:
                     logger.info(
                         "stopped at step %d with a checkpoint, as the control plane asked", state.step
                     )
-                return
+                break
+        telemetry.progress("done")
 
 
 def _stop_unless_allowed(anomaly: Anomaly, *, state: TrainState, spec: JobSpec) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -36,8 +37,10 @@ import httpx
 from pydantic import ValidationError
 
 from service.protocol import (
+    HEARTBEAT_S,
     CheckpointRecord,
     MetricPoint,
+    RankStatus,
     TelemetryBatch,
     TelemetryReply,
     TrainerEvent,
@@ -79,6 +82,11 @@ class Telemetry:
         self.attempt = attempt
         self.rank = rank
         self.segment = 0  # set by the train loop once the ranks agreed on it
+        # What this rank is doing (`progress`), sent with every post; `node` is set by the train loop.
+        self.node = ""
+        self._step, self._step_at = 0, None  # type: tuple[int, float | None]
+        self._phase, self._phase_since = "starting", time.time()
+        self._last_post = 0.0
         self.close_retry_s = close_retry_s
         self.flush_interval_s = flush_interval_s
         self.flush_points = flush_points
@@ -140,6 +148,26 @@ class Telemetry:
         with self._lock:
             self._checkpoints.append(CheckpointRecord(step=step, uri=uri))
         self._wake.set()
+
+    def progress(self, phase: str, *, step: int | None = None) -> None:
+        """This rank enters `phase` (service.protocol.RankStatus), having completed `step` if given.
+
+        Two attribute writes from the training thread: cheap enough for every step."""
+        now = time.time()
+        if step is not None:
+            self._step, self._step_at = step, now
+        self._phase, self._phase_since = phase, now
+
+    def status(self) -> RankStatus:
+        return RankStatus(
+            rank=self.rank,
+            step=self._step,
+            step_at=self._step_at,
+            phase=self._phase,
+            phase_since=self._phase_since,
+            node=self.node,
+            pid=os.getpid(),
+        )
 
     def event(self, kind: str, *, step: int, message: str, **data: float | int | str) -> None:
         """Tell the control plane a fact for the job's timeline (posted with the next batch)."""
@@ -203,7 +231,8 @@ class Telemetry:
                     events = [
                         self._events.popleft() for _ in range(min(len(self._events), MAX_EVENTS_PER_POST))
                     ]
-                if not points and checkpoint is None and not events:
+                heartbeat = time.monotonic() - self._last_post >= HEARTBEAT_S and self._thread is not None
+                if not points and checkpoint is None and not events and not heartbeat:
                     return True
                 batch = TelemetryBatch(
                     attempt=self.attempt,
@@ -211,6 +240,7 @@ class Telemetry:
                     points=points,
                     checkpoint=checkpoint,
                     events=events,
+                    status=self.status(),
                 )
                 if not self._post(batch):
                     self._requeue(points, checkpoint, events)
@@ -218,6 +248,7 @@ class Telemetry:
 
     def _post(self, batch: TelemetryBatch) -> bool:
         """True when the batch is done with: delivered, or refused for good (and dropped)."""
+        self._last_post = time.monotonic()  # an attempt counts: a heartbeat is not retried at once
         if self._client is None or self.url is None:
             logger.debug("no telemetry URL: %d points not sent", len(batch.points))
             return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -96,21 +97,27 @@ def stop_serve(served: Served, timeout_s: float = 90) -> None:
     assert "Application shutdown complete" in served.log.read_text()
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """One service + local Ray for the module, on PostgreSQL (the production database)."""
+@contextlib.contextmanager
+def serving(root: Path, *, env: dict[str, str] | None = None) -> Iterator[Served]:
+    """A service + local Ray on a fresh PostgreSQL database (the production database)."""
     from tests.conftest import _fresh_postgres_database
 
-    root = tmp_path_factory.mktemp("e2e")
     database = _fresh_postgres_database()
     database_url = next(database)
-    served = start_serve(data_dir=root / "data", database_url=database_url, log=root / "serve.log")
+    served = start_serve(data_dir=root / "data", database_url=database_url, log=root / "serve.log", env=env)
     try:
         yield served
     finally:
         if served.process.poll() is None:
             stop_serve(served)
         next(database, None)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One service + local Ray for the module."""
+    with serving(tmp_path_factory.mktemp("e2e")) as served:
+        yield served
 
 
 @pytest.fixture

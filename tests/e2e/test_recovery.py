@@ -4,9 +4,11 @@ parameter `torch.equal`, and the loss at every step of the curve that counted eq
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from api.client import ApiaryClient
-from tests.e2e.conftest import Served, mlp_spec, start_serve, stop_serve
+from tests.e2e.conftest import Served, mlp_spec, serving, start_serve, stop_serve
 from tests.support.processes import job_driver, train_workers
 from tests.support.wait import wait_until
 from trainers.checkpoint import build_model_from_checkpoint
@@ -25,6 +27,16 @@ pytestmark = [pytest.mark.timeout(600)]
 STEPS = 600
 EVERY = 200
 KILL_AFTER = 260  # a step past the first checkpoint, well before the end
+
+
+# A hang is declared after 10 s without a step (60 s by default), so that the hang test is short.
+HANG_FLOOR_S = 10
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serving(tmp_path_factory.mktemp("e2e"), env={"APIARY_HANG_FLOOR_S": str(HANG_FLOOR_S)}) as served:
+        yield served
 
 
 def long_spec(dataset: str, name: str, **overrides: Any) -> dict[str, Any]:
@@ -118,6 +130,25 @@ def test_a_killed_driver_is_resubmitted_from_the_checkpoint_and_the_run_is_the_s
     assert any(
         f"resubmitted as attempt 2, resuming from its checkpoint at step {EVERY}" in r for r in said
     ), said
+
+
+def test_a_frozen_train_worker_is_detected_and_its_job_restarted_from_the_checkpoint(
+    client: ApiaryClient, dataset: str, reference: dict[str, dict[str, Any]]
+) -> None:
+    job = client.submit(long_spec(dataset, "frozen-worker"))
+    wait_for_step(client, job["id"], KILL_AFTER)
+    workers = train_workers()
+    assert len(workers) == 2, workers
+    os.kill(workers[-1], signal.SIGSTOP)  # alive, and making no progress: a hang
+    try:
+        job = client.wait(job["id"], timeout_s=400)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(workers[-1], signal.SIGKILL)
+    assert_same_run(client, job, reference["ddp"])
+    assert (job["attempt"], job["failures"]) == (2, 1)
+    hung = next(r for r in reasons(client, job["id"]) if "no rank completed a step" in r)
+    assert "stopped reporting" in hung and "frozen, or cut off" in hung, hung
 
 
 def test_serve_killed_mid_run_loses_nothing_and_the_run_is_the_same(

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from service import repository
 from service.cluster import RayJobStatus
 from service.protocol import error_line
 from tests.integration.conftest import Service
@@ -211,3 +212,91 @@ def test_a_worker_group_restart_is_counted_and_both_curves_are_kept(
         (7, 2000),
     ]
     assert service.http.get(f"/jobs/{job_id}/metrics", params={"segments": "some"}).status_code == 422
+
+
+def status(rank: int, *, step: int, step_at: float | None, phase: str) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "step": step,
+        "step_at": step_at,
+        "phase": phase,
+        "phase_since": step_at or time.time(),
+        "node": f"10.0.0.{rank + 1} (node{rank})",
+        "pid": 100 + rank,
+    }
+
+
+def test_a_job_whose_ranks_make_no_step_is_restarted_from_its_checkpoint_naming_the_rank(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    job_id = service.submit(spec)["id"]
+    run_to_running(service, [job_id])
+    post(service, job_id, {"attempt": 1, "points": [], "checkpoint": {"step": 40, "uri": "file:///c/40"}})
+    long_ago = time.time() - 120
+    post(service, job_id, {"attempt": 1, "status": status(0, step=57, step_at=long_ago, phase="sync")})
+    post(service, job_id, {"attempt": 1, "status": status(1, step=57, step_at=long_ago, phase="data")})
+    old = service.job(job_id)["ray_submission_id"]
+    assert service.job(job_id)["ranks"]["1"]["phase"] == "data"
+    service.tick()
+    job = service.job(job_id)
+    assert (job["state"], job["attempt"], job["failures"]) == ("recovering", 2, 1)
+    assert old in service.backend.stopped
+    hung = next(r for r in reasons(service, job_id) if "no rank completed a step" in r)
+    assert "rank 1 on node 10.0.0.2 (node1) has been in data for" in hung, hung
+    assert "resuming from its checkpoint at step 40" in hung
+
+
+def test_a_rank_that_stops_reporting_is_blamed_for_the_hang(service: Service, spec: dict[str, Any]) -> None:
+    job_id = service.submit(spec)["id"]
+    run_to_running(service, [job_id])
+    recent = time.time() - 5
+    post(service, job_id, {"attempt": 1, "status": status(0, step=9, step_at=recent, phase="sync")})
+    post(service, job_id, {"attempt": 1, "status": status(1, step=9, step_at=recent, phase="compute")})
+    service.tick()
+    assert service.job(job_id)["state"] == "running"  # within the hang timeout (60 s)
+    # 70 s later rank 0 still reports (waiting in the step's collective); rank 1 went silent at once.
+    later = time.time() + 70
+    with service.runtime.db.session() as session:  # type: ignore[union-attr]
+        job = repository.get_job(session, job_id, for_update=True)
+        job.ranks = {**job.ranks, "0": {**job.ranks["0"], "seen": later}}
+    service.tick(later)
+    hung = next(r for r in reasons(service, job_id) if "no rank completed a step" in r)
+    assert "rank 1 on node 10.0.0.2 (node1) stopped reporting 70 s ago (after step 9, in compute)" in hung, (
+        hung
+    )
+
+
+def test_a_rank_slower_than_the_others_is_recorded_as_a_straggler(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    job_id = service.submit(spec)["id"]
+    run_to_running(service, [job_id])
+    for post_number in range(4):
+        for rank, forward_s in ((0, 0.010), (1, 0.030)):
+            steps = range(post_number * 10 + 1, post_number * 10 + 11)
+            batch = [
+                {
+                    "step": s,
+                    "rank": rank,
+                    "time": time.time(),
+                    "values": {"loss": 1.0, "data_wait_s": 0.001, "forward_s": forward_s},
+                }
+                for s in steps
+            ]
+            post(
+                service,
+                job_id,
+                {
+                    "attempt": 1,
+                    "points": batch,
+                    "status": status(rank, step=steps[-1], step_at=time.time(), phase="data"),
+                },
+            )
+    ranks = service.job(job_id)["ranks"]
+    assert ranks["1"]["straggler"] is True and not ranks["0"].get("straggler")
+    said = [r for r in reasons(service, job_id) if "straggler" in r]
+    expected = (
+        "rank 1 on node 10.0.0.2 (node1) is a straggler: its own work (data wait + forward) takes "
+        "31.0 ms a step against 11.0 ms for the other ranks (2.8x) at step 30"
+    )
+    assert said == [expected], said

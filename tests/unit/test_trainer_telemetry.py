@@ -151,3 +151,23 @@ def test_a_stop_in_the_reply_is_remembered_until_the_loop_reads_it(telemetry_ser
     sender.record(2, {"loss": 1.0})
     assert sender.flush() and sender.stop_requested.is_set()
     sender.close()
+
+
+def test_a_rank_with_nothing_to_send_still_says_what_it_is_doing(
+    telemetry_server: TelemetryServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(telemetry, "HEARTBEAT_S", 0.2)
+    with Telemetry(url=telemetry_server.url, attempt=1, rank=1, flush_interval_s=0.05) as sender:
+        sender.node = "10.0.0.2 (node1)"
+        sender.progress("data", step=41)
+        sender.progress("sync")
+        wait_until(lambda: len(telemetry_server.batches) >= 2, timeout_s=10, interval_s=0.05)
+    heartbeat = telemetry_server.batches[-1]
+    assert heartbeat["points"] == [] and heartbeat["events"] == []
+    assert {key: heartbeat["status"][key] for key in ("rank", "step", "phase", "node")} == {
+        "rank": 1,
+        "step": 41,
+        "phase": "sync",
+        "node": "10.0.0.2 (node1)",
+    }
+    assert heartbeat["status"]["step_at"] <= heartbeat["status"]["phase_since"]

@@ -1,0 +1,26 @@
+"""rank status: what each rank of a running job last said it was doing (hangs and stragglers)
+
+Revision ID: 0005
+Revises: 0004
+Create Date: 2026-12-01 05:00:00
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0005"
+down_revision = "0004"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("jobs") as batch_op:
+        batch_op.add_column(sa.Column("ranks", sa.JSON(), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("jobs") as batch_op:
+        batch_op.drop_column("ranks")
