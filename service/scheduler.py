@@ -398,7 +398,7 @@ class Scheduler:
 
         The rank to blame, in order: one that stopped reporting (a frozen process, a lost node); one
         stuck outside a collective (reading data, writing a checkpoint); else it is not known, since
-        every rank waits on the others."""
+        every rank waits on the others (decided only once a silent rank would have shown)."""
         ranks = list((row.ranks or {}).values())
         done = [rank["step_at"] for rank in ranks if rank.get("step_at") is not None]
         if not done:
@@ -427,6 +427,8 @@ class Scheduler:
                 f"rank {rank['rank']} on node {rank['node']} has been in {rank['phase']} for "
                 f"{now - rank['phase_since']:.0f} s (after step {rank['step']}) while the others wait"
             )
+        elif idle_s < timeout_s + 3 * HEARTBEAT_S:
+            return None  # give a frozen rank's silence the time to show, to name it
         else:
             blame = "every rank waits on a collective: which one holds them up is not known"
         return f"no rank completed a step for {idle_s:.0f} s (hang timeout {timeout_s:.0f} s): {blame}"
