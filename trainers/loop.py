@@ -14,11 +14,14 @@
 4. Run optimizer steps until exactly `max_steps`; the loop owns the step count and starts a new
    epoch of the shard whenever one runs out.
 5. Each step, record this rank's metrics (`STEP_METRICS`) as telemetry.
-6. Every `checkpoint.every_steps` steps and at `max_steps`, every rank saves (`Checkpointer.save`:
-   `ray.train.report` is a barrier, so all ranks call it the same number of times). When the
-   control plane asks the job to stop (a telemetry reply: preempted, or out of runtime), the ranks
-   agree on it at the end of a step (`any_rank`, one small collective per step), save a checkpoint
-   there and return: the run resumes from exactly that step when the job is admitted again.
+6. At the end of every step the ranks agree (`Checkpointer.end_step`, one small collective per step)
+   on whether to checkpoint (`checkpoint.every_steps`, `checkpoint.every_s`, `max_steps`) and
+   whether to stop. A checkpoint is copied to host memory at that step and written in the
+   background while training goes on (`checkpoint.async`); it is completed and reported
+   (`ray.train.report` is a barrier, so all ranks call it the same number of times) at a later step
+   where every rank's write is done. When the control plane asks the job to stop (a telemetry
+   reply: preempted, or out of runtime), the ranks save a checkpoint at that step, wait until it is
+   complete and return: the run resumes from exactly that step when the job is admitted again.
 
 Data position: each rank reads its own samples in an order fixed by (seed, epoch, world size)
 (`trainers.data_order`), so the checkpoint's (epoch, batches_in_epoch) is the exact position of
@@ -42,7 +45,7 @@ import torch
 from service.protocol import LaunchRequest
 from trainers.checkpoint import Checkpointer, TrainParts, TrainState, seed_rank
 from trainers.data import DatasetInfo, iter_batches_for_rank
-from trainers.parallel import any_rank, autocast, clip_grad_norm, parallelize
+from trainers.parallel import autocast, clip_grad_norm, parallelize
 from trainers.registry import builtin_trainer
 from trainers.telemetry import Telemetry
 
@@ -71,7 +74,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         telemetry = stack.enter_context(
             Telemetry(url=request.telemetry_url, attempt=request.attempt, rank=rank)
         )
-        checkpointer = Checkpointer(request, row_shape=dataset.row_shape, rank=rank, telemetry=telemetry)
+        checkpointer = stack.enter_context(
+            Checkpointer(request, row_shape=dataset.row_shape, rank=rank, telemetry=telemetry, device=device)
+        )
         with checkpointer.latest() as resume:
             # 1. Where to start.
             state = resume.train_state(world_size=world_size) if resume is not None else TrainState()
@@ -143,10 +148,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 last_log = now
                 _log_progress(state.step, max_steps=spec.max_steps, values=values)
 
-            # 6. Checkpoint; and stop here when the control plane asks.
-            stop = any_rank(telemetry.stop_requested.is_set(), device=device)
-            if checkpointer.due(state.step) or stop:
-                checkpointer.save(parts, state, metrics=values)
+            # 6. Checkpoint (in the background unless it is the last); stop here when the control
+            # plane asks, with a complete checkpoint.
+            stop = checkpointer.end_step(
+                parts, state, metrics=values, stop_requested=telemetry.stop_requested.is_set()
+            )
             if stop:
                 if rank == 0:
                     logger.info(
