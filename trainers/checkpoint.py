@@ -70,10 +70,10 @@ import random
 import re
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -519,9 +519,9 @@ class CheckpointWriter:
         self.run_path = run_path.rstrip("/")
         self.filesystem = filesystem
         self.process_group = process_group
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="apiary-checkpoint-writer")
-        self._future: Future[WriteOutcome] | None = None
         self._step: int | None = None
+        self._done = threading.Event()
+        self._outcome: WriteOutcome | None = None
 
     @property
     def in_flight(self) -> int | None:
@@ -531,36 +531,39 @@ class CheckpointWriter:
     @property
     def busy(self) -> bool:
         """True while the write in flight is still running."""
-        return self._future is not None and not self._future.done()
+        return self._step is not None and not self._done.is_set()
 
     def submit(self, snapshot: Snapshot) -> None:
         """Start writing `snapshot`; the last one must have been waited for."""
-        if self._future is not None:
+        if self._step is not None:
             raise RuntimeError(f"checkpoint at step {self._step} is still in flight: wait() for it first")
-        self._step = snapshot.step
-        self._future = self._executor.submit(self._write, snapshot)
+        self._step, self._outcome = snapshot.step, None
+        self._done.clear()
+        # A daemon thread: a write stuck on a lost peer (DCP) must not keep a failed worker alive.
+        threading.Thread(
+            target=self._write, args=(snapshot,), name="apiary-checkpoint-writer", daemon=True
+        ).start()
 
     def wait(self) -> WriteOutcome:
         """Block until the write in flight is done; its outcome (a failure is returned, not raised)."""
-        if self._future is None:
+        if self._step is None:
             raise RuntimeError("no checkpoint write in flight")
-        future, self._future, self._step = self._future, None, None
-        return future.result()
-
-    def close(self) -> None:
-        """Stop taking writes; a write still running goes on in its (daemon) thread."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._done.wait()
+        outcome, self._step, self._outcome = self._outcome, None, None
+        assert outcome is not None
+        return outcome
 
     def checkpoint_path(self, step: int) -> str:
         return f"{self.run_path}/{checkpoint_dir_name(step)}"
 
-    def _write(self, snapshot: Snapshot) -> WriteOutcome:
+    def _write(self, snapshot: Snapshot) -> None:
         try:
-            files = self.write_now(snapshot)
+            self._outcome = WriteOutcome(step=snapshot.step, files=self.write_now(snapshot))
         except Exception as err:
             logger.warning("writing the checkpoint at step %d failed", snapshot.step, exc_info=True)
-            return WriteOutcome(step=snapshot.step, error=f"{type(err).__name__}: {one_line(err)}")
-        return WriteOutcome(step=snapshot.step, files=files)
+            self._outcome = WriteOutcome(step=snapshot.step, error=f"{type(err).__name__}: {one_line(err)}")
+        finally:
+            self._done.set()
 
     def write_now(self, snapshot: Snapshot) -> dict[str, dict[str, Any]]:
         """Write `snapshot` in this thread; its files' digests. Raises on failure."""
@@ -728,18 +731,17 @@ class Checkpointer:
         rank: int,
         telemetry: Telemetry,
         device: torch.device | None = None,
+        storage: tuple[str, pafs.FileSystem] | None = None,
     ) -> None:
-        import ray.train
-
         self.request = request
         self.spec = request.spec
         self.row_shape = row_shape
         self.rank = rank
         self.telemetry = telemetry
         self.device = device or torch.device("cpu")
-        storage = ray.train.get_context().get_storage()
-        self.filesystem: pafs.FileSystem = storage.storage_filesystem
-        self.run_path: str = storage.experiment_fs_path
+        # The run's folder: Ray Train's own (`{storage_uri}/{run_name}`, with the filesystem object that
+        # Ray Train compares a reported checkpoint's with), unless given.
+        self.run_path, self.filesystem = storage or _ray_run_storage()
         self._writer: CheckpointWriter | None = None
         self._metrics: dict[str, float] = {}  # of the checkpoint in flight
         self._last_snapshot_at = time.monotonic()
@@ -748,8 +750,7 @@ class Checkpointer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        pass  # a write still in flight (the loop failed) goes on in its daemon thread, never completed
 
     def due(self, step: int) -> bool:
         """A checkpoint is due after `step` by the step count (every_steps, max_steps)."""
@@ -809,10 +810,14 @@ class Checkpointer:
 
     def save(self, parts: TrainParts, state: TrainState, *, metrics: dict[str, float]) -> None:
         """Checkpoint `state` now and return when it is complete (every rank calls it at the same step)."""
-        if self._writer is not None and self._writer.in_flight is not None:
-            self._complete()
+        self.flush()
         self._start(parts, state, metrics=metrics)
         self._complete()
+
+    def flush(self) -> None:
+        """Wait for the checkpoint in flight, if any, and complete it (every rank calls it together)."""
+        if self._writer is not None and self._writer.in_flight is not None:
+            self._complete()
 
     def _start(self, parts: TrainParts, state: TrainState, *, metrics: dict[str, float]) -> None:
         """Copy this rank's part of the checkpoint to host memory and write it in the background."""
@@ -838,31 +843,40 @@ class Checkpointer:
 
     def _complete(self) -> None:
         """Wait for this rank's write, then on every rank: marker and report, or the failure (collective)."""
-        import ray.train
-
         assert self._writer is not None and self._writer.in_flight is not None
         outcome = self._writer.wait()
         outcomes = _gather(outcome)
         path = self._writer.checkpoint_path(outcome.step)
-        checkpoint = None
-        if self.rank == 0 and finish_checkpoint(path, self.filesystem, outcomes=outcomes):
-            checkpoint = ray.train.Checkpoint(path, filesystem=self.filesystem)
+        complete = self.rank == 0 and finish_checkpoint(path, self.filesystem, outcomes=outcomes)
         if any(each.error is not None for each in outcomes):
             return  # no rank reports: they all know it failed
-        # Every rank reports (a barrier); rank 0 with the folder, already in the run's storage.
-        ray.train.report(
-            self._metrics,
-            checkpoint=checkpoint,
-            checkpoint_dir_name=checkpoint_dir_name(outcome.step),
-            checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
-        )
-        if checkpoint is not None:
+        self._report(path if complete else None, step=outcome.step)
+        if complete:
             uri = checkpoint_uri(
                 storage_uri=self.request.storage_uri,
                 run_name=self.request.run_name,
                 name=checkpoint_dir_name(outcome.step),
             )
             self.telemetry.checkpoint_saved(outcome.step, uri)
+
+    def _report(self, path: str | None, *, step: int) -> None:
+        """Register the complete checkpoint at `path` with Ray Train (every rank calls it: a barrier; only
+        rank 0 passes the folder, which is already in the run's storage)."""
+        import ray.train
+
+        ray.train.report(
+            self._metrics,
+            checkpoint=ray.train.Checkpoint(path, filesystem=self.filesystem) if path is not None else None,
+            checkpoint_dir_name=checkpoint_dir_name(step),
+            checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
+        )
+
+
+def _ray_run_storage() -> tuple[str, pafs.FileSystem]:
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    return storage.experiment_fs_path, storage.storage_filesystem
 
 
 def _distributed() -> bool:
