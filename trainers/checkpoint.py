@@ -73,7 +73,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,17 +197,30 @@ def seed_rank(seed: int, *, rank: int, step: int) -> None:
 class Snapshot:
     """One rank's part of the checkpoint of one step, as the writer writes it.
 
-    `take_snapshot` copies it off the live tensors, so training may go on while it is written.
+    `take_snapshot` takes it at the step; its tensors become copies that share nothing with the live
+    model and optimizer by `finish_copy` (the writer's thread, while the next step's forward and
+    backward run), which sets `copied`. Until then the optimizer must not step (`CheckpointWriter.guard`).
     """
 
     step: int
     contents: dict[str, Any] | None = None  # `state.pt` (rank 0 only)
     shards: dict[str, Any] | None = None  # FSDP: {"model", "optimizer"} of this rank's shards, for DCP
     metrics: dict[str, float] = field(default_factory=dict)
+    copied: threading.Event = field(default_factory=threading.Event)
 
     @property
     def name(self) -> str:
         return checkpoint_dir_name(self.step)
+
+    def finish_copy(self) -> None:
+        """Copy the tensors still shared with the live model and optimizer; sets `copied`, also on failure."""
+        try:
+            if self.shards is not None:
+                self.shards = _resolve(self.shards)
+            if self.contents is not None:
+                self.contents = _resolve(self.contents)
+        finally:
+            self.copied.set()
 
 
 def take_snapshot(
@@ -220,37 +233,60 @@ def take_snapshot(
     rank: int = 0,
     copy_tensors: bool = True,
 ) -> Snapshot:
-    """This rank's part of the checkpoint of `state`: copies of the tensors unless `copy_tensors` is False.
+    """This rank's part of the checkpoint of `state`, to write while training goes on (`copy_tensors`), or
+    the live tensors themselves, to write before the next step.
 
     With a sharded (FSDP) model every rank must call this at the same step and holds a part (its
     shards); with DDP only rank 0 does. `rng` is every rank's `capture_rng_state()`, in rank order.
-    The copies share nothing with the live model, optimizer or schedule: steps taken after this
-    returns do not change what is written.
+
+    With `copy_tensors`, everything but the parameters and the optimizer state is copied here (RNG,
+    LR schedule, counters, and model buffers, which a forward pass may change); the parameters and
+    the optimizer state change only in `optimizer.step()`, so they are copied by `finish_copy`, which
+    must run before the next optimizer step: the writer's thread does it while the next step's
+    forward and backward run. The copies share nothing with the live objects: steps taken after that
+    do not change what is written.
     """
-    duplicate = _host_copy if copy_tensors else _same
     sharded = is_sharded(parts.model)
     snapshot = Snapshot(step=state.step)
+    parameters = {_storage_of(parameter) for parameter in parts.model.parameters()}
+
+    def snap(value: Any, *, later: Callable[[torch.Tensor], bool]) -> Any:
+        return _host_copy(value, later=later) if copy_tensors else value
+
+    def model_part(state_dict: Any) -> Any:
+        return snap(state_dict, later=lambda tensor: _storage_of(tensor) in parameters)
+
+    def optimizer_part(state_dict: Any) -> Any:
+        return snap(state_dict, later=lambda tensor: True)
+
+    def other(value: Any) -> Any:
+        return snap(value, later=lambda tensor: False)
+
+    if not copy_tensors:
+        snapshot.copied.set()
     if sharded:
         _, get_state_dict, _ = _dcp()
         model_state, optimizer_state = get_state_dict(parts.model, parts.optimizer)
-        snapshot.shards = duplicate({"model": model_state, "optimizer": optimizer_state})
+        snapshot.shards = {"model": model_part(model_state), "optimizer": optimizer_part(optimizer_state)}
     if rank != 0:
         return snapshot
-    contents: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
-        "trainer": spec.trainer,
-        "spec": spec.model_dump(mode="json"),
-        "row_shape": dict(row_shape),
-        "model_format": "sharded" if sharded else "full",
-        "lr_schedule": parts.lr_schedule.state_dict(),
-        **{name: getattr(state, name) for name in _STATE_FIELDS},
-        "world_size": len(rng),
-        "rng": rng,
-    }
+    contents: dict[str, Any] = other(
+        {
+            "format_version": FORMAT_VERSION,
+            "trainer": spec.trainer,
+            "spec": spec.model_dump(mode="json"),
+            "row_shape": dict(row_shape),
+            "model_format": "sharded" if sharded else "full",
+            "lr_schedule": parts.lr_schedule.state_dict(),
+            **{name: getattr(state, name) for name in _STATE_FIELDS},
+            "world_size": len(rng),
+            "rng": rng,
+        }
+    )
     if not sharded:
-        contents["model"] = unwrap_model(parts.model).state_dict()
-        contents["optimizer"] = parts.optimizer.state_dict()
-    snapshot.contents = duplicate(contents)
+        contents["model"] = model_part(unwrap_model(parts.model).state_dict())
+        contents["optimizer"] = optimizer_part(parts.optimizer.state_dict())
+    snapshot.contents = contents
     return snapshot
 
 
@@ -294,23 +330,50 @@ def save_checkpoint(
     return bool(write_snapshot(snapshot, directory))
 
 
-def _host_copy(value: Any) -> Any:
-    """`value` with every tensor copied (to the CPU) and every container rebuilt: shares no storage."""
+@dataclass(frozen=True)
+class _Later:
+    """A live tensor in a snapshot, to be copied by `Snapshot.finish_copy`."""
+
+    tensor: torch.Tensor
+
+
+def _host_copy(value: Any, *, later: Callable[[torch.Tensor], bool]) -> Any:
+    """`value` with every container rebuilt and every tensor copied, or marked `_Later` where `later` says."""
     if isinstance(value, torch.Tensor):
-        # A DTensor clones its local shard (no communication); a CPU tensor needs `clone`, as `.cpu()`
-        # would return the tensor itself.
-        return value.detach().clone() if value.device.type == "cpu" or _is_dtensor(value) else value.cpu()
+        return _Later(value) if later(value) else _copy_tensor(value)
     if isinstance(value, dict):
-        return {key: _host_copy(item) for key, item in value.items()}
+        return {key: _host_copy(item, later=later) for key, item in value.items()}
     if isinstance(value, list):
-        return [_host_copy(item) for item in value]
+        return [_host_copy(item, later=later) for item in value]
     if isinstance(value, tuple):
-        return tuple(_host_copy(item) for item in value)
+        return tuple(_host_copy(item, later=later) for item in value)
     return copy.deepcopy(value)
 
 
-def _same(value: Any) -> Any:
+def _resolve(value: Any) -> Any:
+    """`value` with every `_Later` replaced by a copy of its tensor (containers are the snapshot's own)."""
+    if isinstance(value, _Later):
+        return _copy_tensor(value.tensor)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            value[key] = _resolve(item)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            value[index] = _resolve(item)
+    elif isinstance(value, tuple):
+        return tuple(_resolve(item) for item in value)
     return value
+
+
+def _copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    # A DTensor clones its local shard (no communication); a CPU tensor needs `clone`, as `.cpu()`
+    # would return the tensor itself.
+    return tensor.detach().clone() if tensor.device.type == "cpu" or _is_dtensor(tensor) else tensor.cpu()
+
+
+def _storage_of(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    return int(local.untyped_storage().data_ptr())
 
 
 def _is_dtensor(value: torch.Tensor) -> bool:
@@ -520,8 +583,23 @@ class CheckpointWriter:
         self.filesystem = filesystem
         self.process_group = process_group
         self._step: int | None = None
+        self._snapshot: Snapshot | None = None
         self._done = threading.Event()
         self._outcome: WriteOutcome | None = None
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make every `optimizer.step()` first wait until the snapshot in flight holds its own copies."""
+        optimizer.register_step_pre_hook(lambda *_: self.wait_copied())
+
+    def wait_copied(self) -> None:
+        """Block until the snapshot in flight (if any) no longer shares tensors with the live objects."""
+        snapshot = self._snapshot
+        if snapshot is not None and not snapshot.copied.is_set():
+            started = time.perf_counter()
+            snapshot.copied.wait()
+            logger.debug(
+                "optimizer step waited %.3f s for the checkpoint's copy", time.perf_counter() - started
+            )
 
     @property
     def in_flight(self) -> int | None:
@@ -537,7 +615,7 @@ class CheckpointWriter:
         """Start writing `snapshot`; the last one must have been waited for."""
         if self._step is not None:
             raise RuntimeError(f"checkpoint at step {self._step} is still in flight: wait() for it first")
-        self._step, self._outcome = snapshot.step, None
+        self._step, self._snapshot, self._outcome = snapshot.step, snapshot, None
         self._done.clear()
         # A daemon thread: a write stuck on a lost peer (DCP) must not keep a failed worker alive.
         threading.Thread(
@@ -549,7 +627,7 @@ class CheckpointWriter:
         if self._step is None:
             raise RuntimeError("no checkpoint write in flight")
         self._done.wait()
-        outcome, self._step, self._outcome = self._outcome, None, None
+        outcome, self._step, self._snapshot, self._outcome = self._outcome, None, None, None
         assert outcome is not None
         return outcome
 
@@ -558,6 +636,7 @@ class CheckpointWriter:
 
     def _write(self, snapshot: Snapshot) -> None:
         try:
+            snapshot.finish_copy()
             self._outcome = WriteOutcome(step=snapshot.step, files=self.write_now(snapshot))
         except Exception as err:
             logger.warning("writing the checkpoint at step %d failed", snapshot.step, exc_info=True)
@@ -745,6 +824,7 @@ class Checkpointer:
         self._writer: CheckpointWriter | None = None
         self._metrics: dict[str, float] = {}  # of the checkpoint in flight
         self._last_snapshot_at = time.monotonic()
+        self._guarded: list[torch.optim.Optimizer] = []  # optimizers whose step waits for the copy
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -827,7 +907,11 @@ class Checkpointer:
         )
         self._metrics = {"step": state.step, "samples_consumed": state.samples_consumed, **metrics}
         self._last_snapshot_at = time.monotonic()
-        self._writer_for(sharded=snapshot.shards is not None).submit(snapshot)
+        writer = self._writer_for(sharded=snapshot.shards is not None)
+        if parts.optimizer not in self._guarded:
+            writer.guard(parts.optimizer)
+            self._guarded.append(parts.optimizer)
+        writer.submit(snapshot)
 
     def _writer_for(self, *, sharded: bool) -> CheckpointWriter:
         if self._writer is None:

@@ -191,13 +191,20 @@ def test_the_snapshot_is_not_changed_by_steps_taken_after_it(tmp_path: Path, spe
     handler.release.clear()  # the write waits until training moved on
     writer = CheckpointWriter(run_path=str(tmp_path / "run"), filesystem=pafs.PyFileSystem(handler))
 
-    writer.submit(snapshot_at(parts, 1, spec))
-    for _ in range(3):
+    writer.guard(parts.optimizer)
+    snapshot = snapshot_at(parts, 1, spec)
+    # Parameters and optimizer state are copied in the writer's thread, and the next optimizer step
+    # waits for that copy (buffers, RNG, LR schedule are copied at once).
+    assert isinstance(snapshot.contents, dict) and not snapshot.copied.is_set()
+    writer.submit(snapshot)
+    train_one_step(parts)
+    assert snapshot.copied.is_set()
+    for _ in range(2):
         train_one_step(parts)
     with torch.no_grad():
         for parameter in parts.model.parameters():
             parameter.add_(1.0)
-    assert writer.busy
+    assert writer.busy  # still held by the storage: what it writes is the copy
     handler.release.set()
     outcome = writer.wait()
     assert outcome.error is None
