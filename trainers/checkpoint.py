@@ -76,7 +76,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -826,7 +826,7 @@ class Checkpointer:
         self._last_snapshot_at = time.monotonic()
         self._guarded: list[torch.optim.Optimizer] = []  # optimizers whose step waits for the copy
 
-    def __enter__(self) -> Checkpointer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
