@@ -303,7 +303,11 @@ def write_snapshot(snapshot: Snapshot, directory: str | Path, *, process_group: 
         dcp.save(snapshot.shards, checkpoint_id=Path(directory, SHARDED_DIR), process_group=process_group)
         written += sorted(set(_files_under(Path(directory))) - before)
     if snapshot.contents is not None:
-        torch.save(snapshot.contents, Path(directory) / STATE_FILE)
+        # Through a Python file object: torch.save then writes with Python's write(), which lets go of
+        # the GIL; given a path, it writes from C++ holding the GIL, and stalls the training thread
+        # (seen: pauses of 70-120 ms while 113 MB were written in the background).
+        with open(Path(directory) / STATE_FILE, "wb") as stream:
+            torch.save(snapshot.contents, stream)
         written.append(STATE_FILE)
     return written
 
