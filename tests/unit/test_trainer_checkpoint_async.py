@@ -254,3 +254,19 @@ def test_a_failed_write_leaves_the_previous_checkpoint_the_latest(
 
     handler.fail = False  # the next due step tries again
     assert write_complete(writer, parts, 30, spec) == latest_complete_checkpoint(str(run), storage)
+
+
+def test_the_spec_takes_async_and_every_s() -> None:
+    spec = make_spec(
+        trainer="mlp", dataset="file:///unused", config=MLP, checkpoint={"every_s": 600, "async": False}
+    )
+    assert spec.checkpoint.async_ is False and spec.checkpoint.every_s == 600
+    assert spec.model_dump(mode="json")["checkpoint"] == {
+        "every_steps": None,
+        "every_s": 600.0,
+        "async": False,
+    }
+    assert JobSpec.model_validate(spec.model_dump(mode="json")) == spec  # as the trainers receive it
+    assert make_spec(trainer="mlp", dataset="file:///unused", config=MLP).checkpoint.async_ is True
+    with pytest.raises(ValueError, match="greater than 0"):
+        make_spec(trainer="mlp", dataset="file:///unused", config=MLP, checkpoint={"every_s": 0})
