@@ -45,17 +45,24 @@ does it inside a Ray Train job:
 
 - resume: it finds the run's newest complete checkpoint under `{storage}/{run_name}` (rank 0 checks,
   then tells the other ranks which);
-- save: at a due step every rank copies its part of the state to host memory (`take_snapshot`: model,
-  optimizer, LR schedule, RNG, TrainState; with FSDP the rank's local shards) and its
+- save: at a due step every rank snapshots its part of the state into host memory (`take_snapshot`:
+  model, optimizer, LR schedule, RNG, TrainState; with FSDP the rank's local shards), and its
   `CheckpointWriter` writes and uploads that copy in a background thread while training goes on
-  (`checkpoint.async`, the default; at most one write in flight). At a later step boundary where
-  every rank's write is done (one small collective per step, which also carries the stop request
-  and rank 0's clock for `checkpoint.every_s`) the ranks gather their files' checksums, rank 0
-  writes the marker, and all ranks call `ray.train.report` with the finished folder
-  (`checkpoint_upload_mode=NO_UPLOAD`: the files are already in the run's storage, where Ray Train's
-  own upload would have put them). A failed write leaves the previous checkpoint as the latest.
-  The final checkpoint (max_steps) and the one taken when the job is asked to stop are complete
-  before the loop returns.
+  (`checkpoint.async`, the default; at most one write in flight). RNG, LR schedule, counters and
+  model buffers are copied at the step; parameters and optimizer state, which change only in the
+  optimizer's step, are copied by the writer's thread during the next forward and backward, and
+  that next `optimizer.step()` waits for the copy (a step pre-hook), so the snapshot is exactly
+  the state at the step.
+- complete: at a later step boundary where every rank's write is done (one small collective per
+  step, which also carries the stop request and rank 0's clock for `checkpoint.every_s`), the ranks
+  gather their files' checksums, rank 0 writes the marker, and all ranks call `ray.train.report`
+  with the finished folder (`checkpoint_upload_mode=NO_UPLOAD`: the files are already where Ray
+  Train's upload would have put them). Ray Train's own upload could not order the marker: in SYNC
+  mode report() returns on each rank once that rank's files are uploaded, not the others', and
+  the controller registers the checkpoint once every rank has reported; ASYNC mode uploads in a
+  thread with no way to wait for the other ranks' uploads either. A failed write leaves the
+  previous checkpoint as the latest. The final checkpoint (max_steps) and the one taken when the
+  job is asked to stop are complete before the loop returns.
 """
 
 from __future__ import annotations
