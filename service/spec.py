@@ -81,6 +81,16 @@ class KeepBest(Strict):
 
 
 class CheckpointSpec(Strict):
+    """When to checkpoint, and whether the write stalls training.
+
+    `every_steps` and `every_s` may both be set: a checkpoint is taken at whichever comes first (the
+    ranks agree on the step). A final one is always saved at max_steps, and one when the job is asked
+    to stop.
+    """
+
+    # `async` is a Python keyword: the attribute is `async_`, the spec (JSON/YAML) field is "async".
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
+
     every_steps: int | None = Field(
         default=None,
         ge=1,
@@ -95,6 +105,17 @@ class CheckpointSpec(Strict):
     )
     keep_best: KeepBest | None = Field(
         default=None, description="Also keep the best checkpoints by a step metric, e.g. {metric: loss}."
+    )
+    every_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Save a checkpoint when this many seconds have passed since the last one.",
+    )
+    async_: bool = Field(
+        default=True,
+        alias="async",
+        description="Copy the state to host memory at the step and write it in the background while "
+        "training goes on (at most one write in flight); false writes it before the next step.",
     )
 
 

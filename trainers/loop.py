@@ -27,11 +27,15 @@
    after `anomaly.max_rollbacks` of them stops the job. The detecting rank posts an `anomaly` event
    and rank 0 a `rollback` event (`Telemetry.event`).
 5. Each step, record this rank's metrics (`STEP_METRICS`) as telemetry.
-6. Every `checkpoint.every_steps` steps and at `max_steps`, every rank saves (`Checkpointer.save`:
-   `ray.train.report` is a barrier, so all ranks call it the same number of times). When the
-   control plane asks the job to stop (a telemetry reply: preempted, or out of runtime), the ranks
-   agree on it in the step's collective (above), save a checkpoint there and return: the run
-   resumes from exactly that step when the job is admitted again.
+6. At the end of every step the ranks agree (`Checkpointer.end_step`, one small collective per step)
+   on whether to checkpoint (`checkpoint.every_steps`, `checkpoint.every_s`, `max_steps`) and
+   whether to stop. A checkpoint is copied to host memory at that step and written in the
+   background while training goes on (`checkpoint.async`); it is completed and reported
+   (`ray.train.report` is a barrier, so all ranks call it the same number of times) at a later step
+   where every rank's write is done. When the control plane asks the job to stop (a telemetry
+   reply: preempted, or out of runtime), the ranks agree on it in the step's collective (above),
+   save a checkpoint at that step, wait until it is complete and return: the run resumes from
+   exactly that step when the job is admitted again.
 
 Data position: each rank reads its own samples in an order fixed by (seed, epoch, world size)
 (`trainers.data_order`), so the checkpoint's (epoch, batches_in_epoch) is the exact position of
@@ -131,7 +135,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         telemetry.node = f"{ray.util.get_node_ip_address()} ({ray.get_runtime_context().get_node_id()[:8]})"
         # This start of the worker group (a restart inside Ray Train replays steps): rank 0's clock.
         telemetry.segment = rank0_value(time.time_ns() // 1_000_000, device=device)
-        checkpointer = Checkpointer(request, row_shape=dataset.row_shape, rank=rank, telemetry=telemetry)
+        checkpointer = stack.enter_context(
+            Checkpointer(request, row_shape=dataset.row_shape, rank=rank, telemetry=telemetry, device=device)
+        )
         with checkpointer.latest() as resume:
             state, batches, parts = start(resume)
             if resume is not None and rank == 0:
@@ -230,12 +236,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 last_log = now
                 _log_progress(state.step, max_steps=spec.max_steps, values=values)
 
-            # 6. Checkpoint; and stop here when the control plane asks.
-            stop = verdict.stop_requested
-            saving = checkpointer.due(state.step) or stop
-            telemetry.progress("checkpoint" if saving else "data", step=state.step)
-            if saving:
-                checkpointer.save(parts, state, metrics=values)
+            # 6. Checkpoint (in the background unless it is the last); stop here when the control
+            # plane asks, with a complete checkpoint.
+            telemetry.progress("sync", step=state.step)
+            stop = checkpointer.end_step(parts, state, metrics=values, stop_requested=verdict.stop_requested)
             if stop:
                 if rank == 0:
                     logger.info(
