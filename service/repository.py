@@ -311,6 +311,8 @@ def note_segment(session: Session, job: Job, *, segment: int, resumed_from: int 
 # A rank is a straggler after this many posts in a row slower than the others (and no longer one after
 # as many in a row that are not).
 STRAGGLER_POSTS = 3
+# ... and by at least this much a step: millisecond steps vary by multiples with the machine's load.
+STRAGGLER_MIN_S = 0.01
 
 
 def note_rank_status(
@@ -336,7 +338,7 @@ def note_rank_status(
     others = sorted(other["own_s"] for name, other in ranks.items() if name != key and "own_s" in other)
     if own and others:
         median = others[len(others) // 2]
-        slow = median > 0 and entry["own_s"] > straggler_factor * median
+        slow = entry["own_s"] > straggler_factor * median and entry["own_s"] - median >= STRAGGLER_MIN_S
         streak = entry.get("streak", 0)
         streak = (max(streak, 0) + 1) if slow else (min(streak, 0) - 1)
         entry["streak"] = streak

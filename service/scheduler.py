@@ -310,8 +310,10 @@ class Scheduler:
             job,
             JobState.RECOVERING,
             actor="reconciler",
-            reason=f"{why}; resubmitted as attempt {attempt}, resuming from "
-            + (f"its checkpoint at step {step}" if step is not None else "the start (no checkpoint yet)")
+            # The new attempt resumes from the newest complete checkpoint in storage, which may be newer
+            # than the last one the trainers reported here.
+            reason=f"{why}; resubmitted as attempt {attempt}, resuming from its newest complete checkpoint "
+            + (f"(step {step} when last reported)" if step is not None else "(none reported yet)")
             + f" (failure {job.failures + 1} of at most {spec.max_failures})",
             attempt=attempt,
             ray_submission_id=submission_id,

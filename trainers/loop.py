@@ -50,6 +50,7 @@ import logging
 import math
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -64,7 +65,7 @@ from trainers.anomaly import Anomaly, AnomalyDetector, decide, encode
 from trainers.checkpoint import Checkpointer, Resume, TrainParts, TrainState, seed_rank
 from trainers.data import DatasetInfo, RankBatches, iter_batches_for_rank
 from trainers.parallel import autocast, clip_grad_norm, gather_values, parallelize, rank0_value
-from trainers.registry import builtin_trainer
+from trainers.registry import BuiltinTrainer, builtin_trainer
 from trainers.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -95,46 +96,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
     _configure_logging(rank)
-
-    def start(resume: Resume | None) -> tuple[TrainState, RankBatches, TrainParts]:
-        """Steps 1-3 from `resume` (None: a fresh run): at the group's start, and again on a rollback."""
-        # 1. Where to start.
-        state = resume.train_state(world_size=world_size) if resume is not None else TrainState()
-        # 2. This rank's data from there, reading in the background from now on (the order uses
-        # no global RNG, so the model below is built while the first batch is read).
-        batches = iter_batches_for_rank(
-            request,
-            dataset,
-            rank=rank,
-            world_size=world_size,
-            collate_fn=trainer.build_collate(dataset.row_shape, uri=dataset.uri),
-            start=state.data_position(batch_size=spec.batch_size),
-            device=device,
-        )
-        try:
-            # 3. Model, wrapped for the strategy, then the optimizer (FSDP replaces parameters by
-            # shards). Initial weights depend on the seed only, not on the rank or world size.
-            torch.manual_seed(spec.seed)
-            model = parallelize(trainer.build_model(dataset.row_shape), strategy=spec.strategy, device=device)
-            optimizer, lr_schedule = trainer.build_optimizer(model, max_steps=spec.max_steps)
-            parts = TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule)
-            if resume is not None:
-                resume.restore(parts, rank=rank, world_size=world_size)
-            else:
-                seed_rank(spec.seed, rank=rank, step=0)
-        except BaseException:
-            batches.close()
-            raise
-        return state, batches, parts
+    start = _Worker(request, dataset, trainer, rank=rank, world_size=world_size, device=device).start
 
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         telemetry = stack.enter_context(
             Telemetry(url=request.telemetry_url, attempt=request.attempt, rank=rank)
         )
-        telemetry.node = f"{ray.util.get_node_ip_address()} ({ray.get_runtime_context().get_node_id()[:8]})"
-        # This start of the worker group (a restart inside Ray Train replays steps): rank 0's clock.
-        telemetry.segment = rank0_value(time.time_ns() // 1_000_000, device=device)
+        _join_group(telemetry, device=device)
         checkpointer = stack.enter_context(
             Checkpointer(request, row_shape=dataset.row_shape, rank=rank, telemetry=telemetry, device=device)
         )
@@ -144,17 +113,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 logger.info("resumed from step %d (epoch %d)", state.step, state.epoch)
         stack.callback(lambda: batches.close())  # whichever stream is open at the end
         if rank == 0:
-            logger.info(
-                "rank 0 of %d ready in %.1f s (model built, data stream open)",
-                world_size,
-                time.perf_counter() - started,
-            )
-            telemetry.event(
-                GROUP_STARTED,
-                step=state.step,
-                message=f"worker group of {world_size} started (attempt {request.attempt}) "
-                + (f"from its checkpoint at step {state.step}" if resume is not None else "from step 0"),
+            _announce_start(
+                telemetry,
+                request,
                 world_size=world_size,
+                resumed_from=state.step if resume is not None else None,
+                ready_s=time.perf_counter() - started,
             )
 
         detector = AnomalyDetector.from_spec(spec.anomaly, rank=rank)
@@ -191,12 +155,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             anomaly = verdict.anomaly
             if anomaly is not None:
                 if anomaly.rank == rank:
-                    telemetry.event(
-                        "anomaly",
-                        step=step,
-                        message=f"{anomaly.describe()} (on_anomaly: {spec.on_anomaly})",
-                        **anomaly.event_data(),
-                    )
+                    _report_anomaly(telemetry, anomaly, step=step, spec=spec)
                 _stop_unless_allowed(anomaly, state=state, spec=spec)
                 if spec.on_anomaly is AnomalyAction.ROLLBACK:
                     skipped = [*state.skipped_batches, state.next_batch(epoch)]
@@ -247,6 +206,83 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     )
                 break
         telemetry.progress("done")
+
+
+@dataclass(frozen=True)
+class _Worker:
+    """One rank of the worker group: what it needs to (re)build its training state."""
+
+    request: LaunchRequest
+    dataset: DatasetInfo
+    trainer: BuiltinTrainer[Any]
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def start(self, resume: Resume | None) -> tuple[TrainState, RankBatches, TrainParts]:
+        """Steps 1-3 from `resume` (None: a fresh run): at the group's start, and again on a rollback."""
+        # 1. Where to start.
+        state = resume.train_state(world_size=self.world_size) if resume is not None else TrainState()
+        # 2. This rank's data from there, reading in the background from now on (the order uses
+        # no global RNG, so the model below is built while the first batch is read).
+        batches = iter_batches_for_rank(
+            self.request,
+            self.dataset,
+            rank=self.rank,
+            world_size=self.world_size,
+            collate_fn=self.trainer.build_collate(self.dataset.row_shape, uri=self.dataset.uri),
+            start=state.data_position(batch_size=self.request.spec.batch_size),
+            device=self.device,
+        )
+        try:
+            # 3. Model, wrapped for the strategy, then the optimizer (FSDP replaces parameters by
+            # shards). Initial weights depend on the seed only, not on the rank or world size.
+            spec = self.request.spec
+            torch.manual_seed(spec.seed)
+            model = parallelize(
+                self.trainer.build_model(self.dataset.row_shape), strategy=spec.strategy, device=self.device
+            )
+            optimizer, lr_schedule = self.trainer.build_optimizer(model, max_steps=spec.max_steps)
+            parts = TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule)
+            if resume is not None:
+                resume.restore(parts, rank=self.rank, world_size=self.world_size)
+            else:
+                seed_rank(spec.seed, rank=self.rank, step=0)
+        except BaseException:
+            batches.close()
+            raise
+        return state, batches, parts
+
+
+def _join_group(telemetry: Telemetry, *, device: torch.device) -> None:
+    """Tell telemetry where this rank runs, and which start of the worker group this is (a restart
+    inside Ray Train replays steps): rank 0's clock, shared by every rank (a collective)."""
+    telemetry.node = f"{ray.util.get_node_ip_address()} ({ray.get_runtime_context().get_node_id()[:8]})"
+    telemetry.segment = rank0_value(time.time_ns() // 1_000_000, device=device)
+
+
+def _announce_start(
+    telemetry: Telemetry, request: LaunchRequest, *, world_size: int, resumed_from: int | None, ready_s: float
+) -> None:
+    """Rank 0: the worker group is ready, in the job log and in its timeline."""
+    logger.info("rank 0 of %d ready in %.1f s (model built, data stream open)", world_size, ready_s)
+    telemetry.event(
+        GROUP_STARTED,
+        step=resumed_from or 0,
+        message=f"worker group of {world_size} started (attempt {request.attempt}) "
+        + (f"from its checkpoint at step {resumed_from}" if resumed_from is not None else "from step 0"),
+        world_size=world_size,
+    )
+
+
+def _report_anomaly(telemetry: Telemetry, anomaly: Anomaly, *, step: int, spec: JobSpec) -> None:
+    """The rank that saw it posts the anomaly (once, not once per rank)."""
+    telemetry.event(
+        "anomaly",
+        step=step,
+        message=f"{anomaly.describe()} (on_anomaly: {spec.on_anomaly})",
+        **anomaly.event_data(),
+    )
 
 
 def _stop_unless_allowed(anomaly: Anomaly, *, state: TrainState, spec: JobSpec) -> None:

@@ -112,24 +112,27 @@ def test_a_killed_train_worker_restarts_the_group_from_the_checkpoint_and_the_ru
     assert len({p["segment"] for p in replayed}) == 2
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_killed_driver_is_resubmitted_from_the_checkpoint_and_the_run_is_the_same(
-    client: ApiaryClient,
-    dataset: str,
-    reference: dict[str, dict[str, Any]],
+    client: ApiaryClient, dataset: str, reference: dict[str, dict[str, Any]], strategy: str
 ) -> None:
-    job = client.submit(long_spec(dataset, "driver-kill"))
+    job = client.submit(long_spec(dataset, f"driver-kill-{strategy}", strategy=strategy))
     wait_for_step(client, job["id"], KILL_AFTER)
     driver = job_driver(job["id"])
     assert driver is not None
     os.kill(driver, signal.SIGKILL)
 
     job = client.wait(job["id"], timeout_s=400)
-    assert_same_run(client, job, reference["ddp"])
+    assert_same_run(client, job, reference[strategy])
     assert (job["attempt"], job["failures"]) == (2, 1)
     said = reasons(client, job["id"])
-    assert any(
-        f"resubmitted as attempt 2, resuming from its checkpoint at step {EVERY}" in r for r in said
-    ), said
+    assert any("resubmitted as attempt 2, resuming from its newest complete checkpoint" in r for r in said), (
+        said
+    )
+    # The new attempt's worker group says where it resumed: the checkpoint before the kill.
+    assert (
+        f"worker group of 2 started (attempt 2) from its checkpoint at step {EVERY} [group_started]" in said
+    )
 
 
 def test_a_frozen_train_worker_is_detected_and_its_job_restarted_from_the_checkpoint(

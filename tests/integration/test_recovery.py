@@ -66,7 +66,8 @@ def test_a_dead_driver_is_recovered_from_the_checkpoint_until_the_budget_is_spen
         launch = service.backend.submitted[-1][1]
         assert launch.attempt == 1 + failure and launch.failures_left == 2 - failure
         assert any(
-            f"resuming from its checkpoint at step 40 (failure {failure} of at most 2)" in r
+            f"its newest complete checkpoint (step 40 when last reported) (failure {failure} of at most 2)"
+            in r
             for r in reasons(service, job_id)
         )
         service.backend.statuses[launch.submission_id or ""] = RayJobStatus.RUNNING
@@ -106,7 +107,7 @@ def test_a_running_job_that_ray_forgot_is_resubmitted_and_a_retryable_error_line
     job = service.job(job_id)
     assert (job["state"], job["attempt"]) == ("recovering", 2)
     assert any(
-        "Ray has no record of the running job" in r and "from the start (no checkpoint yet)" in r
+        "Ray has no record of the running job" in r and "checkpoint (none reported yet)" in r
         for r in reasons(service, job_id)
     )
     submission = job["ray_submission_id"]
@@ -243,7 +244,7 @@ def test_a_job_whose_ranks_make_no_step_is_restarted_from_its_checkpoint_naming_
     assert old in service.backend.stopped
     hung = next(r for r in reasons(service, job_id) if "no rank completed a step" in r)
     assert "rank 1 on node 10.0.0.2 (node1) has been in data for" in hung, hung
-    assert "resuming from its checkpoint at step 40" in hung
+    assert "resuming from its newest complete checkpoint (step 40 when last reported)" in hung
 
 
 def test_a_rank_that_stops_reporting_is_blamed_for_the_hang(service: Service, spec: dict[str, Any]) -> None:
