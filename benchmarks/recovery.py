@@ -178,7 +178,12 @@ def recover(bench: Bench, kind: str, job_id: int, *, at_step: int) -> Failure:
                 break
             time.sleep(0.2)
         else:
-            raise TimeoutError(f"job {job_id} did not train again within 300 s of the {kind} kill")
+            job = client.get(job_id)
+            timeline = "\n".join(f"  {e['at']} {e['actor']}: {e['reason']}" for e in client.events(job_id))
+            raise TimeoutError(
+                f"job {job_id} did not train again within 300 s of the {kind} kill; it is {job['state']} "
+                f"(attempt {job['attempt']}):\n{timeline}"
+            )
         first = min(after[min(new)], key=lambda point: point["step"])
         last_before = max(point["step"] for point in after[current])
         resumed_from = first["step"] - 1

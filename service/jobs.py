@@ -149,7 +149,10 @@ class JobService:
                 )
             # Only the attempt that was told to stop: an older attempt's late post changes nothing.
             stop = job.state is JobState.PREEMPTING and batch.attempt == job.attempt
-            return TelemetryReply(stored=stored, stop=stop)
+            # A rank of an attempt that was given up (its driver died, the job was resubmitted) may
+            # outlive it for a while: it must not go on writing checkpoints beside the new attempt.
+            superseded = batch.attempt < job.attempt or job.state.is_terminal
+            return TelemetryReply(stored=stored, stop=stop, superseded=superseded)
 
     def queues(self, *, limit: int = 100) -> list[QueueView]:
         try:

@@ -162,6 +162,11 @@ class TelemetryBatch(Strict):
 class TelemetryReply(Strict):
     stored: int = Field(description="Metric points taken (a re-posted point is stored once).")
     stop: bool = Field(default=False, description="Checkpoint at the next step and exit: preempted.")
+    superseded: bool = Field(
+        default=False,
+        description="This attempt was given up (the job was recovered as a newer one): exit at once, "
+        "without a checkpoint, so that it never writes beside the new attempt.",
+    )
 
 
 def clip_reason(reason: str) -> str:

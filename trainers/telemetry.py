@@ -62,6 +62,8 @@ def _max_length(field: str) -> int:
 
 
 MAX_POINTS_PER_POST: int = _max_length("points")
+# The exit status of a rank whose attempt the control plane gave up (TelemetryReply.superseded).
+EXIT_SUPERSEDED = 75
 MAX_EVENTS_PER_POST: int = _max_length("events")
 
 
@@ -284,6 +286,13 @@ class Telemetry:
             reply = TelemetryReply.model_validate_json(response.content)
         except ValidationError:
             return  # an older control plane, or a bare test server: nothing asked
+        if reply.superseded:
+            # The control plane resubmitted the job as a newer attempt (this one's driver died): this
+            # process must not write another checkpoint beside it. Nothing of it is needed any more.
+            logger.error("this attempt (%d) was superseded by a newer one: exiting", self.attempt)
+            for handler in (*logging.getLogger().handlers, *logging.getLogger("trainers").handlers):
+                handler.flush()
+            os._exit(EXIT_SUPERSEDED)
         if reply.stop and not self.stop_requested.is_set():
             logger.warning("the control plane asks this job to checkpoint and stop (preempted)")
             self.stop_requested.set()

@@ -65,6 +65,9 @@ def test_a_dead_driver_is_recovered_from_the_checkpoint_until_the_budget_is_spen
         assert (job["state"], job["attempt"], job["failures"]) == ("recovering", 1 + failure, failure)
         launch = service.backend.submitted[-1][1]
         assert launch.attempt == 1 + failure and launch.failures_left == 2 - failure
+        # A rank of the given-up attempt that still posts is told to exit; the new attempt's are not.
+        assert post(service, job_id, {"attempt": failure, "points": []})["superseded"] is True
+        assert post(service, job_id, {"attempt": failure + 1, "points": []})["superseded"] is False
         assert any(
             f"its newest complete checkpoint (step 40 when last reported) (failure {failure} of at most 2)"
             in r

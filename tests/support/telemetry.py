@@ -20,6 +20,7 @@ class TelemetryServer:
         self.fail_status = fail_status
         self.attempts = 0
         self.stop = False
+        self.superseded = False
         self.batches: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         server = self
@@ -32,7 +33,13 @@ class TelemetryServer:
                     failing = server.attempts <= server.fail_first
                     if not failing:
                         server.batches.append(json.loads(body))
-                    reply = b"" if failing else json.dumps({"stored": 0, "stop": server.stop}).encode()
+                    reply = (
+                        b""
+                        if failing
+                        else json.dumps(
+                            {"stored": 0, "stop": server.stop, "superseded": server.superseded}
+                        ).encode()
+                    )
                 self.send_response(server.fail_status if failing else 200)
                 self.send_header("content-length", str(len(reply)))
                 self.end_headers()

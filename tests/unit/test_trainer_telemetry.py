@@ -171,3 +171,15 @@ def test_a_rank_with_nothing_to_send_still_says_what_it_is_doing(
         "node": "10.0.0.2 (node1)",
     }
     assert heartbeat["status"]["step_at"] <= heartbeat["status"]["phase_since"]
+
+
+def test_a_rank_of_a_superseded_attempt_exits_at_once(
+    telemetry_server: TelemetryServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exits: list[int] = []
+    monkeypatch.setattr(telemetry.os, "_exit", exits.append)
+    telemetry_server.superseded = True
+    sender = Telemetry(url=telemetry_server.url, attempt=1, rank=0)
+    sender.record(1, {"loss": 1.0})
+    sender.flush()
+    assert exits == [telemetry.EXIT_SUPERSEDED]
