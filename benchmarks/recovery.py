@@ -225,11 +225,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=600, help="steps of each per-kind job")
-    parser.add_argument("--every", type=int, default=200, help="checkpoint interval in steps")
+    parser.add_argument("--steps", type=int, default=3000, help="steps of each per-kind job")
+    parser.add_argument("--every", type=int, default=1000, help="checkpoint interval in steps")
     parser.add_argument("--kinds", default=",".join(KINDS), help="failure kinds to measure, comma-separated")
     parser.add_argument("--chaos-kills", type=int, default=4, help="kills in the chaos run (0: no chaos run)")
-    parser.add_argument("--chaos-steps", type=int, default=2000)
+    parser.add_argument("--chaos-steps", type=int, default=6000)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
 
@@ -252,7 +252,7 @@ def report(bench: Bench, dataset: str, args: argparse.Namespace) -> None:
     print(f"reference: {args.steps} steps, checkpoint every {args.every}, killed at step >= {kill_step}\n")
     print("| failure | recovery (s) | goal (s) | steps lost | resumed from | attempt | identical |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
-    for kind in args.kinds.split(","):
+    for kind in [kind for kind in args.kinds.split(",") if kind]:
         with bench.client() as client:
             job_id = client.submit(spec(dataset, f"kill-{kind}", steps=args.steps, every=args.every))["id"]
         failure = recover(bench, kind, job_id, at_step=kill_step)
