@@ -294,3 +294,41 @@ def test_a_deletion_that_fails_while_s3_is_down_stays_deleting_and_succeeds_late
         assert contents(folder_of(service, job_id, step), s3_endpoint_url=s3.endpoint_url) == {TOMBSTONE}
     for step in (15, 20):
         assert "state.pt" in contents(folder_of(service, job_id, step), s3_endpoint_url=s3.endpoint_url)
+
+
+def test_retention_keeps_the_newest_across_a_worker_group_restart_and_a_recovery(
+    service: Service, classification_dataset: str
+) -> None:
+    job_id = service.submit({**job_spec(classification_dataset, keep_last=2), "max_failures": 3})["id"]
+    run_to_running(service, [job_id])
+
+    def checkpoint(step: int, *, attempt: int, segment: int) -> None:
+        write_checkpoint(folder_of(service, job_id, step))
+        point = {"step": step, "rank": 0, "time": time.time(), "values": {"loss": 1.0}}
+        checkpoint = {"step": step, "uri": folder_of(service, job_id, step)}
+        post(
+            service,
+            job_id,
+            {"attempt": attempt, "segment": segment, "points": [point], "checkpoint": checkpoint},
+        )
+
+    for step in (5, 10, 15):
+        checkpoint(step, attempt=1, segment=1000)
+    service.tick()
+    for step in (20, 25):  # a worker died: Ray Train restarted the group from step 15
+        checkpoint(step, attempt=1, segment=2000)
+    service.tick()
+    # The driver died: the job is resubmitted as attempt 2, from step 25.
+    service.backend.statuses[service.job(job_id)["ray_submission_id"]] = RayJobStatus.FAILED
+    service.tick()
+    job = service.job(job_id)
+    assert (job["state"], job["restarts"], job["failures"]) == ("recovering", 1, 2)
+    service.backend.statuses[job["ray_submission_id"]] = RayJobStatus.RUNNING
+    service.tick()
+    for step in (30, 35):
+        checkpoint(step, attempt=2, segment=3000)
+    service.tick()
+
+    steps = range(5, 36, 5)
+    assert {s for s, c in listed(service, job_id).items() if c["state"] == "kept"} == {30, 35}
+    assert {s for s in steps if "state.pt" in contents(folder_of(service, job_id, s))} == {30, 35}
