@@ -412,6 +412,9 @@ class Scheduler:
         silent = sorted(
             (rank for rank in ranks if now - rank["seen"] > 3 * HEARTBEAT_S), key=lambda r: r["seen"]
         )
+        writing = [rank for rank in ranks if rank["phase"] == "checkpoint" and rank not in silent]
+        if writing and idle_s < CHECKPOINT_HANG_FACTOR * timeout_s:
+            return None  # a rank finishes writing a checkpoint: large ones take a while
         stuck = sorted(
             (rank for rank in ranks if rank["phase"] not in ("sync", "compute", "done")),
             key=lambda r: r["phase_since"],
@@ -699,6 +702,11 @@ class Scheduler:
 
 # The states of a job whose Ray job was submitted and has not been seen running yet.
 STARTING_STATES = frozenset({JobState.ADMITTED, JobState.RECOVERING})
+
+
+# A rank that reports it is finishing a checkpoint write gets this many hang timeouts before it counts
+# as hung (its heartbeat shows it is alive; a large checkpoint to S3 takes minutes).
+CHECKPOINT_HANG_FACTOR = 10
 
 
 def _submission_id(job_id: int, attempt: int) -> str:

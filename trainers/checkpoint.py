@@ -966,6 +966,7 @@ class Checkpointer:
     def _complete(self) -> None:
         """Wait for this rank's write, then on every rank: marker and report, or the failure (collective)."""
         assert self._writer is not None and self._writer.in_flight is not None
+        self.telemetry.progress("checkpoint")  # a large write may take minutes: not a hang
         outcome = self._writer.wait()
         outcomes = _gather(outcome)
         path = self._writer.checkpoint_path(outcome.step)

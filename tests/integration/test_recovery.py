@@ -304,3 +304,17 @@ def test_a_rank_slower_than_the_others_is_recorded_as_a_straggler(
         "31.0 ms a step against 11.0 ms for the other ranks (2.8x) at step 30"
     )
     assert said == [expected], said
+
+
+def test_a_rank_that_reports_a_long_checkpoint_write_is_not_a_hang(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    job_id = service.submit(spec)["id"]
+    run_to_running(service, [job_id])
+    long_ago = time.time() - 120  # past the hang timeout (60 s), within 10 of them
+    post(service, job_id, {"attempt": 1, "status": status(0, step=50, step_at=long_ago, phase="checkpoint")})
+    post(service, job_id, {"attempt": 1, "status": status(1, step=50, step_at=long_ago, phase="sync")})
+    service.tick()
+    assert service.job(job_id)["state"] == "running"
+    service.tick(time.time() + 600)  # 720 s without a step, the last heartbeat 600 s old: hung
+    assert service.job(job_id)["state"] == "recovering"
