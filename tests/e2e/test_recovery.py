@@ -129,10 +129,11 @@ def test_a_killed_driver_is_resubmitted_from_the_checkpoint_and_the_run_is_the_s
     assert any("resubmitted as attempt 2, resuming from its newest complete checkpoint" in r for r in said), (
         said
     )
-    # The new attempt's worker group says where it resumed: the checkpoint before the kill.
-    assert (
-        f"worker group of 2 started (attempt 2) from its checkpoint at step {EVERY} [group_started]" in said
-    )
+    # The new attempt's worker group says where it resumed: a checkpoint taken before the kill (the
+    # service hears of steps a moment late, so the kill may land after the second one).
+    started = next(r for r in said if r.startswith("worker group of 2 started (attempt 2)"))
+    resumed = int(started.split("from its checkpoint at step ")[1].split()[0])
+    assert resumed in range(EVERY, STEPS, EVERY), started
 
 
 def test_a_frozen_train_worker_is_detected_and_its_job_restarted_from_the_checkpoint(
