@@ -10,8 +10,9 @@ from sqlalchemy import text
 
 from api import errors
 from api.deps import RuntimeDep
-from api.routes import internal, jobs, queues
+from api.routes import internal, jobs, queues, streams
 from api.schemas import Health
+from api.web import views as web
 from service.errors import ClusterUnavailable
 from service.runtime import Runtime
 from service.settings import Settings
@@ -36,9 +37,11 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         lifespan=lifespan,
     )
     errors.install(app)
+    web.install(app)  # first: its page at /jobs/{id} answers browsers, the JSON route everyone else
     app.include_router(jobs.router)
     app.include_router(queues.router)
     app.include_router(internal.router)
+    app.include_router(streams.router)
 
     @app.get("/healthz", response_model=Health, tags=["health"])
     def healthz(runtime: RuntimeDep, response: Response) -> Health:

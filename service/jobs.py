@@ -154,7 +154,7 @@ class JobService:
             superseded = batch.attempt < job.attempt or job.state.is_terminal
             return TelemetryReply(stored=stored, stop=stop, superseded=superseded)
 
-    def queues(self, *, limit: int = 100) -> list[QueueView]:
+    def queues(self, *, limit: int = 100, offset: int = 0) -> list[QueueView]:
         try:
             cluster: ClusterSnapshot | None = self.backend.snapshot()
         except ClusterUnavailable:
@@ -192,7 +192,7 @@ class JobService:
                         in_use=used,
                         borrowed=borrowed,
                         counts={state.value: n for (name, state), n in counts.items() if name == queue.value},
-                        line=repository.waiting_line(session, queue.value, limit=limit),
+                        line=repository.waiting_line(session, queue.value, limit=limit, offset=offset),
                     )
                 )
             return views
@@ -220,6 +220,8 @@ class JobService:
         max_step: int | None = None,
         limit: int = 10_000,
         only_counted: bool = True,
+        every: int | None = None,
+        points: int | None = None,
     ) -> list[Metric]:
         with self.db.session() as session:
             return repository.list_metrics(
@@ -230,6 +232,8 @@ class JobService:
                 max_step=max_step,
                 limit=limit,
                 only_counted=only_counted,
+                every=every,
+                points=points,
             )
 
     def list_checkpoints(self, job_id: int) -> list[Checkpoint]:

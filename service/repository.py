@@ -9,9 +9,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from service.errors import InvalidTransition, JobNotFound
 from service.models import (
@@ -140,12 +140,13 @@ def count_unfinished(session: Session) -> dict[tuple[str, JobState], int]:
     return {(queue, state): count for queue, state, count in session.execute(query)}
 
 
-def waiting_line(session: Session, queue: str, *, limit: int) -> list[Job]:
-    """The first `limit` queued jobs of `queue` in the order the scheduler last gave them."""
+def waiting_line(session: Session, queue: str, *, limit: int, offset: int = 0) -> list[Job]:
+    """`limit` queued jobs of `queue` from `offset`, in the order the scheduler last gave them."""
     query = (
         select(Job)
         .where(Job.state == JobState.QUEUED, Job.queue == queue)
         .order_by(Job.queue_position.is_(None), Job.queue_position, Job.id)
+        .offset(offset)
         .limit(limit)
     )
     return list(session.scalars(query))
@@ -417,10 +418,16 @@ def list_metrics(
     attempt: int | None = None,
     limit: int = 10_000,
     only_counted: bool = False,
+    every: int | None = None,
+    points: int | None = None,
 ) -> list[Metric]:
     """A job's points by step, rank, attempt and segment. `only_counted`: for each (step, rank), only
     the point of the latest (attempt, segment) that trained it: the curve of the run that counted,
-    without the steps a restart, recovery or preemption trained again."""
+    without the steps a restart, recovery or preemption trained again.
+
+    Downsampling, in the query (a million-step run is never read whole): `every` keeps the steps that
+    are multiples of it; `points` picks the stride that leaves about that many steps between the
+    first and the last step in range (read from the index), and keeps the last step too."""
     get_job(session, job_id)
     conditions = [Metric.job_id == job_id]
     if rank is not None:
@@ -431,6 +438,15 @@ def list_metrics(
         conditions.append(Metric.step <= max_step)
     if attempt is not None:
         conditions.append(Metric.attempt == attempt)
+    if every is not None and every > 1:
+        conditions.append(Metric.step % every == 0)
+    if points is not None:
+        first, last = session.execute(
+            select(func.min(Metric.step), func.max(Metric.step)).where(*conditions)
+        ).one()
+        if first is not None and last - first + 1 > points:
+            stride = -(-(last - first + 1) // points)  # ceil: at most `points` steps
+            conditions.append(or_((Metric.step - first) % stride == 0, Metric.step == last))
     query = select(Metric).where(*conditions)
     if only_counted:
         newest = (
@@ -568,3 +584,61 @@ def checkpoint_delete_failed(session: Session, checkpoint_id: int, *, error: str
         .where(Checkpoint.id == checkpoint_id, Checkpoint.state == CheckpointState.DELETING)
         .values(delete_attempts=Checkpoint.delete_attempts + 1, last_error=error, retry_at=retry_at)
     )
+
+
+# -- what the streams (api.routes.streams) read: rows added after a cursor, by row id ------------------
+# Row ids of one job's events and metrics grow in commit order: every writer of them holds the job's
+# row lock (`get_job(for_update=True)`) or SQLite's single writer, so reading `id > cursor` misses none.
+
+
+def events_after(session: Session, job_id: int, *, after_id: int, limit: int) -> list[JobEvent]:
+    query = (
+        select(JobEvent)
+        .where(JobEvent.job_id == job_id, JobEvent.id > after_id)
+        .order_by(JobEvent.id)
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def metrics_after(session: Session, job_id: int, *, after_id: int, limit: int) -> tuple[list[Metric], int]:
+    """Up to `limit` points stored after row `after_id`, those that count (no newer attempt or segment
+    trained their step and rank yet), by step then rank; and the last row id read (the new cursor)."""
+    ids = list(
+        session.scalars(
+            select(Metric.id)
+            .where(Metric.job_id == job_id, Metric.id > after_id)
+            .order_by(Metric.id)
+            .limit(limit)
+        )
+    )
+    if not ids:
+        return [], after_id
+    newer = aliased(Metric)
+    superseded = (
+        select(newer.id)
+        .where(
+            newer.job_id == Metric.job_id,
+            newer.step == Metric.step,
+            newer.rank == Metric.rank,
+            or_(
+                newer.attempt > Metric.attempt,
+                and_(newer.attempt == Metric.attempt, newer.segment > Metric.segment),
+            ),
+        )
+        .exists()
+    )
+    query = (
+        select(Metric)
+        .where(Metric.job_id == job_id, Metric.id >= ids[0], Metric.id <= ids[-1], ~superseded)
+        .order_by(Metric.step, Metric.rank, Metric.attempt, Metric.segment)
+    )
+    return list(session.scalars(query)), ids[-1]
+
+
+def stream_cursor(session: Session, job_id: int) -> tuple[int, int]:
+    """The newest event row and metric row of a job (0 without any): a stream resumed from here sends
+    only what is stored later."""
+    event_id = session.scalar(select(func.max(JobEvent.id)).where(JobEvent.job_id == job_id))
+    metric_id = session.scalar(select(func.max(Metric.id)).where(Metric.job_id == job_id))
+    return event_id or 0, metric_id or 0

@@ -85,17 +85,31 @@ def list_metrics(
             "recovery or a preemption abandoned and trained again."
         ),
     ] = "counted",
+    every: Annotated[
+        int | None, Query(ge=1, description="Keep only the steps that are multiples of N.")
+    ] = None,
+    points: Annotated[
+        int | None,
+        Query(
+            ge=2,
+            le=100_000,
+            description="Keep about K steps, evenly spaced between the first and the last (kept too).",
+        ),
+    ] = None,
 ) -> MetricsPublic:
-    """Stored points (step, rank, attempt, segment, time, values), ordered by step then rank."""
-    points = jobs.list_metrics(
+    """Stored points (step, rank, attempt, segment, time, values), ordered by step then rank;
+    downsampled on request (`every` or `points`), so that a million-step run still draws."""
+    found = jobs.list_metrics(
         job_id,
         rank=rank,
         min_step=min_step,
         max_step=max_step,
         limit=limit,
         only_counted=segments == "counted",
+        every=every,
+        points=points,
     )
-    return MetricsPublic(data=[MetricPublic.build(point) for point in points], count=len(points))
+    return MetricsPublic(data=[MetricPublic.build(point) for point in found], count=len(found))
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointsPublic)

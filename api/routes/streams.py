@@ -1,0 +1,241 @@
+"""Server-sent event streams: a job's state, events and metric points as they are stored, and the queues.
+
+The contract (event types, ids, resumption) is /work/notes/sse-protocol.md, kept in the README. Each
+stream polls the database by row id past its cursor, in a worker thread, with a session per poll
+(none is held across the sleeps), and stops when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.deps import JobsDep
+from api.schemas import EventPublic, JobPublic, MetricPublic, MetricsPublic, QueuePublic, QueuesPublic
+from service import repository
+from service.jobs import JobService
+
+router = APIRouter(tags=["streams"])
+
+POLL_S = 0.5  # how often a job stream looks for new rows
+QUEUES_POLL_S = 1.0  # how often the queues are read again (shared by every queues stream)
+KEEP_ALIVE_S = 15.0
+EVENTS_PER_POLL = 500
+METRICS_PER_POLL = 5_000
+
+
+def sse(event: str, data: str, *, id: str) -> bytes:
+    """One message. `data` is one line of JSON (pydantic and json.dumps never write a newline)."""
+    return f"id: {id}\nevent: {event}\ndata: {data}\n\n".encode()
+
+
+KEEP_ALIVE = b": keep-alive\n\n"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _resume_from(header: str | None, query: str | None) -> str | None:
+    return header if header is not None else query
+
+
+def _bad_cursor(where: str, value: str) -> RequestValidationError:
+    return RequestValidationError(
+        [
+            {
+                "loc": (where, "last_event_id" if where == "query" else "last-event-id"),
+                "msg": f"{value!r} is not an id this stream sent",
+                "type": "value_error",
+            }
+        ]
+    )
+
+
+@dataclass
+class JobCursor:
+    """Where a client of a job stream is: the last event row and metric row it was sent."""
+
+    event_id: int = 0
+    metric_id: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.event_id}.{self.metric_id}"
+
+    @classmethod
+    def parse(cls, value: str) -> JobCursor:
+        event_id, metric_id = value.split(".")
+        cursor = cls(int(event_id), int(metric_id))
+        if cursor.event_id < 0 or cursor.metric_id < 0:
+            raise ValueError(value)
+        return cursor
+
+
+@dataclass
+class JobPoll:
+    job: JobPublic
+    events: list[EventPublic]
+    metrics: list[MetricPublic]
+    metric_id: int
+    more: bool  # a batch was full: poll again without sleeping
+
+
+def _poll_job(jobs: JobService, job_id: int, cursor: JobCursor) -> JobPoll:
+    with jobs.db.session() as session:
+        # Events and points first, the state after: a state that says "ended" comes with all it stored.
+        events = repository.events_after(session, job_id, after_id=cursor.event_id, limit=EVENTS_PER_POLL)
+        metrics, metric_id = repository.metrics_after(
+            session, job_id, after_id=cursor.metric_id, limit=METRICS_PER_POLL
+        )
+        job = JobPublic.build(repository.get_job(session, job_id))
+    return JobPoll(
+        job=job,
+        events=[EventPublic.build(event) for event in events],
+        metrics=[MetricPublic.build(point) for point in metrics],
+        metric_id=metric_id,
+        more=len(events) == EVENTS_PER_POLL or metric_id - cursor.metric_id >= METRICS_PER_POLL,
+    )
+
+
+# Streams being served now (the tests check that a client going away ends its stream).
+open_streams = 0
+
+
+async def _until_gone(request: Request, messages: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Pass `messages` on (an empty one means "nothing new") until the client disconnects, with a
+    keep-alive comment when nothing was sent for KEEP_ALIVE_S. Starlette also cancels a response whose
+    client went away (ASGI < 2.4); the check covers servers that do not."""
+    global open_streams
+    open_streams += 1
+    last_sent = time.monotonic()
+    try:
+        async for message in messages:
+            if await request.is_disconnected():
+                return
+            if message:
+                yield message
+                last_sent = time.monotonic()
+            elif time.monotonic() - last_sent >= KEEP_ALIVE_S:
+                yield KEEP_ALIVE
+                last_sent = time.monotonic()
+    finally:
+        open_streams -= 1
+
+
+@router.get("/jobs/{job_id}/stream", response_class=StreamingResponse)
+async def stream_job(
+    job_id: int,
+    request: Request,
+    jobs: JobsDep,
+    last_event_id: Annotated[
+        str | None, Query(description="Resume after this id (as Last-Event-ID).")
+    ] = None,
+    last_event_id_header: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+) -> StreamingResponse:
+    """A job's state, events and metric points as server-sent events, until it ends (see the README's
+    stream contract). 404 for an unknown job."""
+    resume = _resume_from(last_event_id_header, last_event_id)
+    try:
+        cursor = JobCursor.parse(resume) if resume else JobCursor()
+    except ValueError:
+        assert resume is not None
+        raise _bad_cursor("header" if last_event_id_header is not None else "query", resume) from None
+    first = await run_in_threadpool(_poll_job, jobs, job_id, cursor)  # 404 here, before the stream starts
+
+    async def messages() -> AsyncIterator[bytes]:
+        poll: JobPoll | None = first
+        sent_state: str | None = None
+        while True:
+            if poll is None:
+                poll = await run_in_threadpool(_poll_job, jobs, job_id, cursor)
+            # Each id covers exactly what was sent up to its message: a client that resumes from any
+            # of them misses nothing and gets nothing twice.
+            state = poll.job.model_dump_json()
+            if state != sent_state:
+                yield sse("state", state, id=str(cursor))
+                sent_state = state
+            for event in poll.events:
+                cursor.event_id = event.id
+                yield sse("event", event.model_dump_json(), id=str(cursor))
+            cursor.metric_id = poll.metric_id  # also past rows left out (a newer segment replaced them)
+            if poll.metrics:
+                batch = MetricsPublic(data=poll.metrics, count=len(poll.metrics))
+                yield sse("metrics", batch.model_dump_json(), id=str(cursor))
+            if poll.job.state.is_terminal and not poll.more:
+                yield sse("end", json.dumps({"state": poll.job.state.value}), id=str(cursor))
+                return
+            if not poll.more:
+                yield b""
+                await asyncio.sleep(POLL_S)
+            poll = None
+
+    return StreamingResponse(
+        _until_gone(request, messages()), media_type="text/event-stream", headers=HEADERS
+    )
+
+
+@dataclass
+class QueuesTracker:
+    """The queues as last read, shared by every queues stream of the app: read at most once per
+    QUEUES_POLL_S however many clients watch, and numbered, so that a reconnecting client that saw
+    the current one is not sent it again. The counter starts at the app's start time in seconds, so
+    an id from before a restart does not match by chance."""
+
+    version: int = field(default_factory=lambda: int(time.time()))
+    body: str | None = None
+    read_at: float = -1e9
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def latest(self, jobs: JobService) -> tuple[int, str]:
+        async with self.lock:
+            if time.monotonic() - self.read_at >= QUEUES_POLL_S:
+                views = await run_in_threadpool(jobs.queues)
+                body = QueuesPublic(data=[QueuePublic.build(view) for view in views]).model_dump_json()
+                self.read_at = time.monotonic()
+                if body != self.body:
+                    self.body = body
+                    self.version += 1
+            assert self.body is not None
+            return self.version, self.body
+
+
+def _tracker(request: Request) -> QueuesTracker:
+    tracker: QueuesTracker | None = getattr(request.app.state, "queues_tracker", None)
+    if tracker is None:
+        tracker = request.app.state.queues_tracker = QueuesTracker()
+    return tracker
+
+
+@router.get("/queues/stream", response_class=StreamingResponse)
+async def stream_queues(
+    request: Request,
+    jobs: JobsDep,
+    last_event_id: Annotated[
+        str | None, Query(description="Resume after this id (as Last-Event-ID).")
+    ] = None,
+    last_event_id_header: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+) -> StreamingResponse:
+    """GET /queues' body as a server-sent event at connect and whenever it changes."""
+    tracker = _tracker(request)
+    resume = _resume_from(last_event_id_header, last_event_id)
+
+    async def messages() -> AsyncIterator[bytes]:
+        sent = resume
+        while True:
+            version, body = await tracker.latest(jobs)
+            if str(version) != sent:
+                yield sse("queues", body, id=str(version))
+                sent = str(version)
+            else:
+                yield b""
+            await asyncio.sleep(QUEUES_POLL_S)
+
+    return StreamingResponse(
+        _until_gone(request, messages()), media_type="text/event-stream", headers=HEADERS
+    )

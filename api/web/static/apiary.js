@@ -1,0 +1,268 @@
+// Apiary's web view: keeps the server-rendered pages live through the SSE streams and draws the charts
+// (uPlot). Every text that comes from the server as data is set with textContent, never as HTML; the
+// HTML that is swapped in (`?part=live`) is rendered, and escaped, by the server.
+(function () {
+  "use strict";
+  const page = document.body.dataset.page;
+  const liveDot = document.getElementById("live-status");
+  const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be185d", "#4d7c0f"];
+
+  function setLive(ok) { liveDot.className = ok ? "live" : "muted"; }
+
+  function liveUrl() {
+    const params = new URLSearchParams(location.search);
+    params.set("part", "live");
+    return location.pathname + "?" + params.toString();
+  }
+
+  let swapping = null;
+  let swapAgain = false;
+  // Replace #live with a fresh rendering of it; calls that come while one runs are folded into one more.
+  async function swapLive(after) {
+    if (swapping) { swapAgain = true; return swapping; }
+    swapping = (async () => {
+      do {
+        swapAgain = false;
+        try {
+          const response = await fetch(liveUrl(), { headers: { Accept: "text/html" } });
+          if (response.ok) {
+            document.getElementById("live").innerHTML = await response.text();
+            if (after) after();
+          }
+        } catch (err) { /* the server is away for a moment: the next update retries */ }
+      } while (swapAgain);
+      swapping = null;
+    })();
+    return swapping;
+  }
+
+  function median(values) {
+    if (!values.length) return null;
+    const sorted = values.slice().sort((a, b) => a - b);
+    return sorted[Math.floor(sorted.length / 2)];
+  }
+
+  // -- the queue page ----------------------------------------------------------------------------
+  function queuePage() {
+    const sparks = new Map(); // job id -> {at, losses}
+    async function drawSparklines() {
+      for (const canvas of document.querySelectorAll("canvas.sparkline")) {
+        const id = canvas.dataset.job;
+        let cached = sparks.get(id);
+        if (!cached || Date.now() - cached.at > 5000) {
+          try {
+            const response = await fetch(`/jobs/${id}/metrics?rank=0&points=60`);
+            if (!response.ok) continue;
+            const body = await response.json();
+            cached = { at: Date.now(), losses: body.data.map((p) => p.values.loss).filter((v) => v !== undefined) };
+            sparks.set(id, cached);
+          } catch (err) { continue; }
+        }
+        sparkline(canvas, cached.losses);
+      }
+    }
+    function sparkline(canvas, values) {
+      const ctx = canvas.getContext("2d");
+      ctx.clearRect(0, 0, canvas.width, canvas.height);
+      canvas.dataset.points = String(values.length);
+      if (values.length < 2) return;
+      const lo = Math.min(...values), hi = Math.max(...values), span = hi - lo || 1;
+      ctx.strokeStyle = COLORS[0];
+      ctx.lineWidth = 1.5;
+      ctx.beginPath();
+      values.forEach((v, i) => {
+        const x = (i / (values.length - 1)) * (canvas.width - 2) + 1;
+        const y = canvas.height - 2 - ((v - lo) / span) * (canvas.height - 4);
+        if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
+      });
+      ctx.stroke();
+    }
+    const stream = new EventSource("/queues/stream");
+    stream.onopen = () => setLive(true);
+    stream.onerror = () => setLive(false);
+    let first = true;
+    stream.addEventListener("queues", () => {
+      if (first) { first = false; return; } // the page was just rendered from the same state
+      swapLive(drawSparklines);
+    });
+    // Running jobs' progress does not change the queues: it is refreshed on a timer.
+    setInterval(() => swapLive(drawSparklines), 5000);
+    drawSparklines();
+  }
+
+  // -- the job page --------------------------------------------------------------------------------
+  function jobPage() {
+    const jobId = document.body.dataset.job;
+    const byRank = new Map(); // rank -> Map(step -> point)
+    const charts = {};
+    let redrawTimer = null;
+
+    function addPoints(points) {
+      for (const point of points) {
+        if (!byRank.has(point.rank)) byRank.set(point.rank, new Map());
+        byRank.get(point.rank).set(point.step, point); // a replayed step replaces the abandoned one
+      }
+      if (!redrawTimer) redrawTimer = setTimeout(() => { redrawTimer = null; redraw(); }, 200);
+    }
+
+    // Where the run restarted: (attempt, segment) changes from one step to the next of the lowest rank.
+    function markers() {
+      const ranks = [...byRank.keys()].sort((a, b) => a - b);
+      if (!ranks.length) return [];
+      const points = [...byRank.get(ranks[0]).values()].sort((a, b) => a.step - b.step);
+      const found = [];
+      for (let i = 1; i < points.length; i++) {
+        const a = points[i - 1], b = points[i];
+        if (a.attempt !== b.attempt) found.push({ step: b.step, label: `attempt ${b.attempt}` });
+        else if (a.segment !== b.segment) found.push({ step: b.step, label: "restart" });
+      }
+      return found;
+    }
+
+    function series(key) {
+      const ranks = [...byRank.keys()].sort((a, b) => a - b);
+      const steps = new Set();
+      for (const points of byRank.values()) for (const step of points.keys()) steps.add(step);
+      const xs = [...steps].sort((a, b) => a - b);
+      const data = [xs];
+      for (const rank of ranks) {
+        const points = byRank.get(rank);
+        data.push(xs.map((step) => { const p = points.get(step); return p && key in p.values ? p.values[key] : null; }));
+      }
+      return { ranks, data };
+    }
+
+    function drawMarkers(u) {
+      const ctx = u.ctx;
+      ctx.save();
+      ctx.strokeStyle = "#b45309";
+      ctx.fillStyle = "#b45309";
+      ctx.setLineDash([4, 4]);
+      ctx.font = `${10 * devicePixelRatio}px sans-serif`;
+      for (const marker of markers()) {
+        const x = Math.round(u.valToPos(marker.step, "x", true));
+        if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;
+        ctx.beginPath();
+        ctx.moveTo(x, u.bbox.top);
+        ctx.lineTo(x, u.bbox.top + u.bbox.height);
+        ctx.stroke();
+        ctx.fillText(marker.label, x + 3, u.bbox.top + 12);
+      }
+      ctx.restore();
+    }
+
+    function draw(name, key) {
+      const element = document.getElementById(name);
+      const { ranks, data } = series(key);
+      element.dataset.points = String(data[0].length);
+      const existing = charts[name];
+      if (existing && existing.ranks === ranks.join(",")) { existing.plot.setData(data); return; }
+      if (existing) existing.plot.destroy();
+      const options = {
+        width: Math.max(300, element.clientWidth || 600),
+        height: 240,
+        scales: { x: { time: false } },
+        axes: [{ label: "step" }, {}],
+        series: [{ label: "step" }, ...ranks.map((rank, i) => ({
+          label: `rank ${rank}`, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true, points: { show: false },
+        }))],
+        hooks: { draw: [drawMarkers] },
+      };
+      charts[name] = { ranks: ranks.join(","), plot: new uPlot(options, data, element) };
+    }
+
+    function redraw() {
+      draw("loss-chart", "loss");
+      draw("throughput-chart", "samples_per_s");
+      rankStats();
+    }
+
+    // Each rank's median step time and data wait over its last 50 steps, beside the ranks table.
+    function rankStats() {
+      for (const [rank, points] of byRank) {
+        const recent = [...points.values()].sort((a, b) => a.step - b.step).slice(-50);
+        const row = document.querySelector(`tr[data-rank="${rank}"]`);
+        if (!row) continue;
+        const stepTime = median(recent.map((p) => p.values.step_time_s).filter((v) => v !== undefined));
+        const dataWait = median(recent.map((p) => p.values.data_wait_s).filter((v) => v !== undefined));
+        row.querySelector(".step-time").textContent = stepTime === null ? "-" : `${(stepTime * 1000).toFixed(1)} ms`;
+        row.querySelector(".data-wait").textContent = dataWait === null ? "-" : `${(dataWait * 1000).toFixed(1)} ms`;
+      }
+    }
+
+    function addEvent(event) {
+      const row = document.createElement("tr");
+      const at = new Date(event.at);
+      const cells = [
+        at.toTimeString().slice(0, 8),
+        event.from_state !== event.to_state ? `${event.from_state || ""} \u2192 ${event.to_state || ""}` : "",
+        event.actor,
+        event.reason,
+      ];
+      for (const text of cells) { const cell = document.createElement("td"); cell.textContent = text; row.appendChild(cell); }
+      row.lastChild.className = "reason";
+      document.getElementById("events").appendChild(row);
+    }
+
+    async function refreshLogs() {
+      const section = document.getElementById("logs-section");
+      try {
+        const response = await fetch(`/jobs/${jobId}/logs?tail=200`);
+        if (!response.ok) { section.hidden = true; return; } // no logs route, or none yet
+        document.getElementById("logs").textContent = await response.text();
+        section.hidden = false;
+      } catch (err) { section.hidden = true; }
+    }
+
+    document.addEventListener("click", async (click) => {
+      const button = click.target.closest("button[data-action]");
+      if (!button) return;
+      const error = document.getElementById("action-error");
+      error.textContent = "";
+      button.disabled = true;
+      const response = await fetch(`/jobs/${jobId}/${button.dataset.action}`, { method: "POST" });
+      if (!response.ok) {
+        let message = `${response.status}`;
+        try { message = (await response.json()).message || message; } catch (err) { /* not JSON */ }
+        error.textContent = message;
+        button.disabled = false;
+        return;
+      }
+      swapLive(rankStats);
+    });
+
+    async function start() {
+      try {
+        const response = await fetch(`/jobs/${jobId}/metrics?points=1000&limit=100000`);
+        if (response.ok) addPoints((await response.json()).data);
+      } catch (err) { /* the stream brings what is new */ }
+      redraw();
+      refreshLogs();
+      const cursor = encodeURIComponent(document.body.dataset.cursor);
+      const stream = new EventSource(`/jobs/${jobId}/stream?last_event_id=${cursor}`);
+      let first = true;
+      stream.onopen = () => setLive(true);
+      stream.onerror = () => setLive(stream.readyState === EventSource.OPEN);
+      stream.addEventListener("state", (message) => {
+        const job = JSON.parse(message.data);
+        const state = document.getElementById("job-state");
+        if (state) { state.textContent = job.state; state.className = `state state-${job.state}`; }
+        if (first) { first = false; return; }
+        swapLive(rankStats);
+        refreshLogs();
+      });
+      stream.addEventListener("event", (message) => addEvent(JSON.parse(message.data)));
+      stream.addEventListener("metrics", (message) => addPoints(JSON.parse(message.data).data));
+      stream.addEventListener("end", () => {
+        stream.close();
+        setLive(false);
+        swapLive(rankStats);
+        refreshLogs();
+      });
+    }
+    start();
+  }
+
+  if (page === "queues") queuePage();
+  else if (page === "job") jobPage();
+})();

@@ -1,0 +1,187 @@
+"""The pages: the queue view at `/` and a job's page at `/jobs/{id}` (for a browser: the same path answers
+JSON to every other client), and the static files they use under `/static`.
+
+Server-rendered with Jinja2 (autoescaped: every name, reason and message comes from users or trainers).
+The pages stay live through the streams (api.routes.streams): the script swaps in a fresh rendering of
+a page's live part (`?part=live`) when a stream says something changed, and draws the charts. The
+queue page reads one page of each list through the service's paginated calls, never every job.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import jinja2
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.responses import HTMLResponse
+from fastapi.routing import APIRoute
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+from starlette.routing import Match
+from starlette.types import Scope
+
+from api.deps import JobsDep
+from api.schemas import CheckpointPublic, EventPublic, JobPublic
+from service import repository
+from service.jobs import QueueView
+from service.models import Job
+from service.states import ACTIVE_STATES, JobState
+
+HERE = Path(__file__).parent
+QUEUE_PAGE = 50  # queued jobs per queue on a page
+FINISHED_PAGE = 20
+RUNNING_SHOWN = 100
+FINISHED_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+# Autoescape everything (Starlette's default only covers some file names).
+templates = Jinja2Templates(
+    env=jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True)
+)
+
+
+def _ago(when: datetime | None) -> str:
+    if when is None:
+        return ""
+    if when.tzinfo is None:  # SQLite hands back naive UTC
+        when = when.replace(tzinfo=UTC)
+    seconds = (datetime.now(UTC) - when).total_seconds()
+    ahead = seconds < 0
+    seconds = abs(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            text = f"{seconds / size:.0f}{unit}"
+            break
+    else:
+        text = f"{seconds:.0f}s"
+    return f"in {text}" if ahead else f"{text} ago"
+
+
+def _amounts(amounts: dict[str, float] | None) -> str:
+    return ", ".join(f"{key} {value:g}" for key, value in sorted((amounts or {}).items())) or "-"
+
+
+def _workers(spec: dict[str, Any]) -> str:
+    """A stored spec's workers: `2`, or `2-4` for an elastic group."""
+    workers = spec.get("num_workers")
+    return f"{workers['min']}-{workers['max']}" if isinstance(workers, dict) else str(workers)
+
+
+templates.env.filters["ago"] = _ago
+templates.env.filters["workers"] = _workers
+templates.env.filters["amounts"] = _amounts
+
+
+class HtmlRoute(APIRoute):
+    """A page route that only matches a request asking for HTML (a browser), so that the same path
+    (`/jobs/{id}`) keeps answering JSON to the SDK, the CLI and curl."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child = super().matches(scope)
+        if match is Match.NONE:
+            return match, child
+        accept = dict(scope.get("headers") or []).get(b"accept", b"").decode("latin-1")
+        return (match, child) if "text/html" in accept else (Match.NONE, {})
+
+
+router = APIRouter(route_class=HtmlRoute, include_in_schema=False)
+
+
+def progress(job: Job) -> dict[str, Any]:
+    """A job's progress from its row alone (no metric query): step of max_steps, workers, samples/s."""
+    public = JobPublic.build(job)
+    workers = len(job.ranks) if job.ranks else public.spec.min_workers
+    step = job.latest_step or 0
+    return {
+        "job": public,
+        "workers": workers,
+        "step": step,
+        "fraction": min(1.0, step / public.spec.max_steps),
+        "samples_per_s": public.spec.batch_size * workers / job.seconds_per_step
+        if job.seconds_per_step
+        else None,
+    }
+
+
+def capacity(view: QueueView) -> list[dict[str, Any]]:
+    """A queue's use of each resource against its share (a bar full at the share; borrowing overflows)."""
+    rows = []
+    for key, used in sorted(view.in_use.items()):
+        share = view.share.get(key) if view.share is not None else None
+        rows.append(
+            {
+                "key": key,
+                "used": used,
+                "share": share,
+                "borrowed": view.borrowed.get(key, 0.0),
+                "percent": round(min(100.0, 100 * used / share), 1) if share else 0.0,
+            }
+        )
+    return rows
+
+
+@router.get("/", response_class=HTMLResponse)
+def queue_page(
+    request: Request,
+    jobs: JobsDep,
+    offset: Annotated[int, Query(ge=0)] = 0,
+    finished_offset: Annotated[int, Query(ge=0)] = 0,
+    part: Annotated[str | None, Query(pattern="^live$")] = None,
+) -> HTMLResponse:
+    views = jobs.queues(limit=QUEUE_PAGE, offset=offset)
+    running, running_count = jobs.list_jobs(states=tuple(ACTIVE_STATES), limit=RUNNING_SHOWN)
+    finished, finished_count = jobs.list_jobs(
+        states=FINISHED_STATES, offset=finished_offset, limit=FINISHED_PAGE
+    )
+    context = {
+        "queues": views,
+        "capacity": {view.name: capacity(view) for view in views},
+        "running": [progress(job) for job in running],
+        "running_count": running_count,
+        "finished": [JobPublic.build(job) for job in finished],
+        "finished_count": finished_count,
+        "offset": offset,
+        "finished_offset": finished_offset,
+        "queue_page": QUEUE_PAGE,
+        "finished_page": FINISHED_PAGE,
+    }
+    name = "queues_live.html" if part else "queues.html"
+    return templates.TemplateResponse(request, name, context)
+
+
+@router.get("/jobs/{job_id}", response_class=HTMLResponse)
+def job_page(
+    job_id: int,
+    request: Request,
+    jobs: JobsDep,
+    part: Annotated[str | None, Query(pattern="^live$")] = None,
+) -> HTMLResponse:
+    with jobs.db.session() as session:
+        job = repository.get_job(session, job_id)
+        row = progress(job)
+        public: JobPublic = row["job"]
+        checkpoints = [CheckpointPublic.build(c) for c in repository.list_checkpoints(session, job_id)]
+        event_id, metric_id = repository.stream_cursor(session, job_id) if not part else (0, 0)
+        events = [EventPublic.build(e) for e in repository.list_events(session, job_id)] if not part else []
+    ranks = sorted((public.ranks or {}).items(), key=lambda item: int(item[0]))
+    context = {
+        "job": public,
+        "row": row,
+        "ranks": ranks,
+        "checkpoints": checkpoints,
+        "events": events,
+        "cursor": f"{event_id}.{metric_id}",
+        "spec_json": json.dumps(public.spec.model_dump(mode="json"), indent=2),
+        "now": time.time(),
+    }
+    name = "job_live.html" if part else "job.html"
+    return templates.TemplateResponse(request, name, context)
+
+
+def install(app: FastAPI) -> None:
+    """Add the pages (before the JSON routes they share a path with) and the static files."""
+    app.include_router(router)
+    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")

@@ -1,0 +1,184 @@
+"""The SSE streams (GET /jobs/{id}/stream, GET /queues/stream) and the metrics' downsampling, over real
+HTTP on SQLite and PostgreSQL (contract: the README's "Live streams")."""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+import pytest
+
+from api.routes import streams
+from tests.integration.conftest import Service
+from tests.support.sse import SseReader
+from tests.support.wait import wait_until
+
+
+@pytest.fixture
+def spec(classification_dataset: str) -> dict[str, Any]:
+    return {
+        "name": "stream-test",
+        "trainer": "mlp",
+        "num_workers": 2,
+        "dataset": {"uri": classification_dataset},
+        "max_steps": 1000,
+        "batch_size": 8,
+        "config": {"task": "classification", "num_classes": 3},
+    }
+
+
+def post_points(service: Service, job_id: int, steps: range, *, attempt: int = 1, segment: int = 0) -> None:
+    points = [
+        {"step": step, "rank": rank, "time": 1.0 + step, "values": {"loss": 2.0 - step / 1000}}
+        for step in steps
+        for rank in (0, 1)
+    ]
+    body = {"attempt": attempt, "segment": segment, "points": points}
+    response = service.http.post(f"/internal/jobs/{job_id}/telemetry", json=body)
+    assert response.status_code == 202, response.text
+
+
+def stream(service: Service, path: str, **headers: str) -> SseReader:
+    return SseReader(str(service.http.base_url), path, headers=headers)
+
+
+def test_a_job_stream_sends_state_events_and_points_live_then_ends(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    job = service.submit(spec)
+    post_points(service, job["id"], range(3))
+    reader = stream(service, f"/jobs/{job['id']}/stream")
+    try:
+        assert reader.status_code == 200 and reader.content_type.startswith("text/event-stream")
+        first = reader.until("metrics")
+        assert first[0].event == "state" and first[0].data["id"] == job["id"]
+        assert [m.data["to_state"] for m in first if m.event == "event"] == ["queued"]
+        assert [(p["step"], p["rank"]) for p in first[-1].data["data"]] == [
+            (s, r) for s in range(3) for r in (0, 1)
+        ]
+
+        post_points(service, job["id"], range(3, 5))  # while the client watches
+        live = reader.until("metrics")
+        assert [(p["step"], p["rank"]) for p in live[-1].data["data"]] == [
+            (s, r) for s in (3, 4) for r in (0, 1)
+        ]
+
+        assert service.http.post(f"/jobs/{job['id']}/cancel").status_code == 200
+        rest = reader.until("end")
+        assert rest[-1].data == {"state": "cancelled"}
+        assert [m.data["state"] for m in rest if m.event == "state"] == ["cancelled"]
+        assert [m.data["to_state"] for m in rest if m.event == "event"] == ["cancelled"]
+        assert reader.next() is None  # the server closed it
+    finally:
+        reader.close()
+
+
+def test_a_resumed_job_stream_sends_only_what_came_after_the_last_id(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    job = service.submit(spec)
+    post_points(service, job["id"], range(2))
+    service.http.post(f"/jobs/{job['id']}/cancel")
+    reader = stream(service, f"/jobs/{job['id']}/stream")
+    whole = reader.until("end")
+    reader.close()
+    assert [m.event for m in whole] == ["state", "event", "event", "metrics", "end"]
+    after_first_event = whole[1].id
+
+    # The header (as a browser's EventSource sends it) and the query parameter are the same.
+    for resumed in (
+        stream(service, f"/jobs/{job['id']}/stream", **{"Last-Event-ID": after_first_event}),
+        stream(service, f"/jobs/{job['id']}/stream?last_event_id={after_first_event}"),
+    ):
+        again = resumed.until("end")
+        resumed.close()
+        assert [m.event for m in again] == ["state", "event", "metrics", "end"]  # state is always re-sent
+        assert again[1].data["to_state"] == "cancelled"
+        assert again[2].data["count"] == 4
+
+    at_end = stream(service, f"/jobs/{job['id']}/stream", **{"Last-Event-ID": whole[-1].id})
+    assert [m.event for m in at_end.until("end")] == ["state", "end"]
+    at_end.close()
+
+
+def test_a_stream_sends_only_the_points_that_count(service: Service, spec: dict[str, Any]) -> None:
+    """A restarted worker group replays steps: a point replaced by a newer segment's is not sent."""
+    job = service.submit(spec)
+    post_points(service, job["id"], range(4), segment=100)
+    post_points(service, job["id"], range(2, 4), segment=200)  # resumed from step 1
+    service.http.post(f"/jobs/{job['id']}/cancel")
+    reader = stream(service, f"/jobs/{job['id']}/stream")
+    points = [p for m in reader.until("end") if m.event == "metrics" for p in m.data["data"]]
+    reader.close()
+    assert [(p["step"], p["rank"], p["segment"]) for p in points] == [
+        (0, 0, 100), (0, 1, 100), (1, 0, 100), (1, 1, 100),
+        (2, 0, 200), (2, 1, 200), (3, 0, 200), (3, 1, 200),
+    ]  # fmt: skip
+
+
+def test_bad_stream_requests_are_404_and_422(service: Service) -> None:
+    assert service.http.get("/jobs/999/stream").status_code == 404
+    bad = service.http.get("/jobs/999/stream", headers={"Last-Event-ID": "yesterday"})
+    assert bad.status_code == 422 and "last-event-id" in bad.json()["message"]
+    bad = service.http.get("/jobs/999/stream", params={"last_event_id": "1"})
+    assert bad.status_code == 422 and "last_event_id" in bad.json()["message"]
+
+
+def test_a_client_that_goes_away_ends_its_stream(service: Service, spec: dict[str, Any]) -> None:
+    job = service.submit(spec)
+    # The count is the process's: the streams of earlier tests' servers must have ended first.
+    wait_until(lambda: streams.open_streams == 0, timeout_s=10, what="earlier streams ending")
+    before = 0
+    readers = [stream(service, f"/jobs/{job['id']}/stream"), stream(service, "/queues/stream")]
+    for reader in readers:
+        reader.next()
+    assert streams.open_streams == before + 2
+    for reader in readers:
+        reader.close()
+    wait_until(lambda: streams.open_streams == before, timeout_s=10, what="the streams ending")
+
+
+def test_the_queues_stream_sends_a_snapshot_then_each_change(service: Service, spec: dict[str, Any]) -> None:
+    reader = stream(service, "/queues/stream")
+    try:
+        first = reader.next()
+        assert first is not None and first.event == "queues"
+        assert {queue["name"] for queue in first.data["data"]} == {"research", "full-scale"}
+        job = service.submit(spec)
+        changed = reader.next(timeout_s=10)
+        assert changed is not None and int(changed.id) > int(first.id)
+        research = next(q for q in changed.data["data"] if q["name"] == "research")
+        assert [j["id"] for j in research["jobs"]] == [job["id"]]
+        with pytest.raises(queue.Empty):
+            reader.next(timeout_s=2.5)  # nothing changed: nothing sent
+    finally:
+        reader.close()
+
+    resumed = stream(service, "/queues/stream", **{"Last-Event-ID": changed.id})
+    try:
+        with pytest.raises(queue.Empty):
+            resumed.next(timeout_s=2.5)  # it saw this snapshot already
+        service.http.post(f"/jobs/{job['id']}/cancel")
+        after = resumed.next()
+        assert after is not None and after.event == "queues" and int(after.id) == int(changed.id) + 1
+    finally:
+        resumed.close()
+
+
+def test_metrics_are_downsampled_in_the_query(service: Service, spec: dict[str, Any]) -> None:
+    job = service.submit(spec)
+    post_points(service, job["id"], range(1000))
+    url = f"/jobs/{job['id']}/metrics"
+
+    every = service.http.get(url, params={"every": 100}).json()["data"]
+    assert [(p["step"], p["rank"]) for p in every] == [(s, r) for s in range(0, 1000, 100) for r in (0, 1)]
+
+    points = service.http.get(url, params={"points": 10, "rank": 1}).json()["data"]
+    assert [p["step"] for p in points] == [*range(0, 1000, 100), 999]  # the stride, and the last step
+
+    few = service.http.get(url, params={"points": 10, "min_step": 500, "max_step": 519, "rank": 0})
+    assert [p["step"] for p in few.json()["data"]] == [500, 502, 504, 506, 508, 510, 512, 514, 516, 518, 519]
+    assert len(service.http.get(url, params={"points": 5000}).json()["data"]) == 2000  # fewer steps: all
+
+    bad = service.http.get(url, params={"every": 0})
+    assert bad.status_code == 422 and "every" in bad.json()["message"]
