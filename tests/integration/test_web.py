@@ -1,0 +1,135 @@
+"""The web queue view in a real browser: Debian's Chromium driven by Playwright, against the service over
+real HTTP (a fake cluster: Ray is not under test). Screenshots land in test-artifacts/ (git-ignored).
+
+Playwright's own browser download cannot be reached from these machines; `.ci/run` installs the
+`chromium` package, which Playwright launches by its path."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.cluster import RayJobStatus
+from tests.integration.conftest import Service
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).parents[2] / "test-artifacts"
+
+playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra")
+if not Path(CHROMIUM).exists():
+    pytest.skip(
+        f"no Chromium at {CHROMIUM}: apt-get install -y chromium (.ci/run does)", allow_module_level=True
+    )
+
+
+@pytest.fixture
+def page() -> Iterator[Any]:
+    with playwright_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        yield context.new_page()
+        browser.close()
+
+
+def spec(dataset: str, **changes: Any) -> dict[str, Any]:
+    return {
+        "name": "mlp-web",
+        "trainer": "mlp",
+        "num_workers": 2,
+        "dataset": {"uri": dataset},
+        "max_steps": 200,
+        "batch_size": 8,
+        "config": {"task": "classification", "num_classes": 3},
+        **changes,
+    }
+
+
+def post_steps(service: Service, job_id: int, steps: range) -> None:
+    now = time.time()
+    for rank in (0, 1):
+        slow = 1.0 + rank * 0.6  # rank 1 lags: a straggler to see
+        points = [
+            {
+                "step": step,
+                "rank": rank,
+                "time": now,
+                "values": {
+                    "loss": 1.2 * 0.985**step + 0.02 * rank,
+                    "samples_per_s": 8 / (0.05 * slow),
+                    "step_time_s": 0.05 * slow,
+                    "data_wait_s": 0.004 * slow,
+                    "forward_s": 0.02 * slow,
+                },
+            }
+            for step in steps
+        ]
+        status = {
+            "rank": rank,
+            "step": steps[-1],
+            "step_at": now,
+            "phase": "compute",
+            "phase_since": now,
+            "node": f"10.0.0.{rank + 1}",
+            "pid": 100 + rank,
+        }
+        body = {"attempt": 1, "points": points, "status": status}
+        assert service.http.post(f"/internal/jobs/{job_id}/telemetry", json=body).status_code == 202
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_the_queue_view_follows_a_job_live_in_a_browser(
+    service: Service, page: Any, classification_dataset: str
+) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    expect = playwright_api.expect
+    base = str(service.http.base_url)
+    page.goto(base + "/")
+    expect(page.locator(".queue[data-queue=research] h2")).to_contain_text("research")
+
+    owner = "ada<b>x</b>"  # user-controlled text: the page must show it, not run it as markup
+    response = service.http.post(
+        "/jobs", json=spec(classification_dataset, name="resnet-tiny"), headers={"X-Apiary-User": owner}
+    )
+    job = response.json()
+    row = page.locator(f".queue[data-queue=research] tr[data-job='{job['id']}']")
+    expect(row).to_be_visible(timeout=15_000)  # through the queues stream, no reload
+    expect(row).to_contain_text(owner)
+    assert row.locator("b").count() == 0
+
+    service.tick()
+    submission_id = service.backend.submission_of(job["id"])
+    service.backend.statuses[submission_id] = RayJobStatus.RUNNING
+    service.tick()
+    post_steps(service, job["id"], range(60))
+    service.submit(spec(classification_dataset, name="big-sweep", num_workers=6, priority=5))
+    service.submit(spec(classification_dataset, name="llm-pretrain", queue="full-scale", num_workers=4))
+    service.tick()  # the scheduler gives the queued jobs their position, reason and ETA
+    running = page.locator(f"table.running tr[data-job='{job['id']}']")
+    expect(running).to_contain_text("59 / 200", timeout=15_000)
+    expect(page.locator(f"canvas.sparkline[data-job='{job['id']}']")).to_have_attribute(
+        "data-points", "60", timeout=15_000
+    )
+    page.screenshot(path=str(ARTIFACTS / "web-queue.png"), full_page=True)
+
+    running.locator("a").click()
+    page.wait_for_url(f"**/jobs/{job['id']}")
+    expect(page.locator("#job-state")).to_have_text("running")
+    chart = page.locator("#loss-chart")
+    expect(chart).to_have_attribute("data-points", "60", timeout=15_000)
+    assert chart.locator("canvas").count() == 1
+    post_steps(service, job["id"], range(60, 90))  # live, through the job's stream
+    expect(chart).to_have_attribute("data-points", "90", timeout=15_000)
+    expect(page.locator("tr[data-rank='1'] .step-time")).to_have_text("80.0 ms")
+    page.screenshot(path=str(ARTIFACTS / "web-job.png"), full_page=True)
+
+    page.locator("#cancel").click()
+    expect(page.locator("#job-state")).to_have_text("cancelled", timeout=15_000)
+    expect(page.locator("#events")).to_contain_text("cancelled by")
+    expect(page.locator("#cancel")).to_be_disabled()
+    page.screenshot(path=str(ARTIFACTS / "web-job-cancelled.png"), full_page=True)
+    assert service.job(job["id"])["state"] == "cancelled"
