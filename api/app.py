@@ -10,7 +10,7 @@ from sqlalchemy import text
 
 from api import errors
 from api.deps import RuntimeDep
-from api.routes import internal, jobs, queues
+from api.routes import internal, jobs, logs, queues
 from api.schemas import Health
 from service.errors import ClusterUnavailable
 from service.runtime import Runtime
@@ -37,6 +37,7 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
     )
     errors.install(app)
     app.include_router(jobs.router)
+    app.include_router(logs.router)
     app.include_router(queues.router)
     app.include_router(internal.router)
 
