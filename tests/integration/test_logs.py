@@ -59,7 +59,9 @@ def test_unknown_jobs_jobs_that_never_started_and_bad_parameters_are_refused(
     queued = service.submit(spec)
     never = service.http.get(f"/jobs/{queued['id']}/logs")
     assert never.status_code == 409
-    assert never.json()["message"] == f"job {queued['id']} has not started yet (it is queued): there are no logs"
+    assert (
+        never.json()["message"] == f"job {queued['id']} has not started yet (it is queued): there are no logs"
+    )
 
     bad = service.http.get(f"/jobs/{queued['id']}/logs", params={"tail": -1})
     assert bad.status_code == 422 and bad.json()["message"].startswith("tail:")
