@@ -174,9 +174,21 @@ def job_json(spec: dict[str, Any], *, state: str = "queued") -> dict[str, Any]:
     return JobPublic.model_validate(
         {
             **dict.fromkeys(
-                ["ray_submission_id", "latest_checkpoint", "latest_checkpoint_step", "message"]
-                + ["queue_position", "waiting_reason", "eta_at", "latest_step", "stop_requested"]
-                + ["ranks", "admitted_at", "started_at", "finished_at"]
+                [
+                    "ray_submission_id",
+                    "latest_checkpoint",
+                    "latest_checkpoint_step",
+                    "message",
+                    "queue_position",
+                    "waiting_reason",
+                    "eta_at",
+                    "latest_step",
+                    "stop_requested",
+                    "ranks",
+                    "admitted_at",
+                    "started_at",
+                    "finished_at",
+                ]
             ),
             **{"id": 1, "name": spec["name"], "queue": "research", "priority": 0, "owner": "ada"},
             **{"state": state, "attempt": 0, "spec": spec, "preemptions": 0, "restarts": 0, "failures": 0},
