@@ -180,10 +180,9 @@ def show(
         ("trainer", f"{job.spec.trainer} on {job.spec.max_workers} worker(s), {job.spec.strategy.value}"),
         ("progress", f"step {job.latest_step or 0}/{job.spec.max_steps}, attempt {job.attempt}"),
     ]
-    if job.state is JobState.QUEUED:
-        rows.append(
-            ("waiting", f"#{job.queue_position or '?'}, ETA {_when(job.eta_at)}: {job.waiting_reason or ''}")
-        )
+    if job.state is JobState.QUEUED and job.queue_position is not None:
+        why = f": {escape(job.waiting_reason)}" if job.waiting_reason else ""
+        rows.append(("waiting", f"#{job.queue_position} in its queue, ETA {_when(job.eta_at)}{why}"))
     if job.latest_checkpoint:
         rows.append(("checkpoint", f"step {job.latest_checkpoint_step}: {job.latest_checkpoint}"))
     rows.append(("failures", f"{job.failures} ({job.restarts} restarts), {job.preemptions} preemptions"))

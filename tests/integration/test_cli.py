@@ -109,7 +109,7 @@ def test_submit_then_list_show_and_queue(apiary: Any, spec_file: Path, service: 
     assert apiary("jobs", "--state", "sleeping").exit_code == 2
 
     shown = apiary("show", "2")
-    assert shown.exit_code == 0 and "cli-test" in shown.output and "waiting" in shown.output
+    assert shown.exit_code == 0 and "2 cli-test (owner ada)" in shown.output and "queued" in shown.output
     detail = json.loads(apiary("show", "2", "--json").stdout)
     assert detail["state"] == "queued" and detail["events"][0]["to_state"] == "queued"
 
