@@ -10,7 +10,7 @@ from sqlalchemy import text
 
 from api import errors
 from api.deps import RuntimeDep
-from api.routes import internal, jobs, queues, streams
+from api.routes import internal, jobs, logs, queues, streams
 from api.schemas import Health
 from api.web import views as web
 from service.errors import ClusterUnavailable
@@ -39,6 +39,7 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
     errors.install(app)
     web.install(app)  # first: its page at /jobs/{id} answers browsers, the JSON route everyone else
     app.include_router(jobs.router)
+    app.include_router(logs.router)
     app.include_router(queues.router)
     app.include_router(internal.router)
     app.include_router(streams.router)

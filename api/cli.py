@@ -1,4 +1,5 @@
-"""The `apiary` command: run the service, or the demo a new user starts with."""
+"""The `apiary` command: run the service, or the demo a new user starts with; the commands that use a
+running server (submit, jobs, queue, show, logs, watch, cancel, preempt) are in api/cli_jobs.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from api import server
+from api import cli_jobs, server
 from api.app import create_app
 from api.client import ApiaryClientError
 from api.demo import run_demo_job, write_demo_dataset
@@ -25,6 +26,7 @@ app = typer.Typer(
     help="Apiary: queue and run distributed PyTorch training jobs on Ray.", no_args_is_help=True
 )
 console = Console(soft_wrap=True)
+cli_jobs.register(app)
 
 
 def _settings(**overrides: Any) -> Settings:

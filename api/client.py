@@ -1,39 +1,248 @@
-"""The Python SDK: a thin, typed client of the REST API.
+"""The Python SDK: a typed client of the REST API, returning the API's own schemas (api.schemas).
 
-from api.client import ApiaryClient
-client = ApiaryClient("http://127.0.0.1:8000")
-job = client.submit("job.yaml")          # a path, a dict or a JobSpec
-job = client.wait(job["id"], timeout_s=600)
+    from api.client import ApiaryClient
+    with ApiaryClient("http://127.0.0.1:8000") as client:   # or APIARY_URL / the config file
+        job = client.submit("job.yaml")                        # a path, a dict or a JobSpec
+        for point in client.stream_metrics(job.id):            # live, until the job ends
+            print(point.step, point.values["loss"])
+        job = client.wait(job.id, timeout_s=600)
+
+Errors: the API's refusals raise `ApiaryClientError` subclasses (`ApiaryNotFound`, `ApiaryConflict`,
+`ApiaryInvalid` with `.field`, ...) carrying the server's message; a server that cannot be reached
+raises `ApiaryConnectionError` after `retries` tries with backoff. A submit sends one
+`Idempotency-Key` over all its tries, so a retried submit never creates two jobs.
+
+Configuration (each from the first place that sets it): the arguments, then `APIARY_URL`,
+`APIARY_TOKEN` and `APIARY_USER`, then the TOML file `$APIARY_CONFIG` or
+`~/.config/apiary/config.toml` (keys `url`, `token`, `user`); the URL defaults to
+http://127.0.0.1:8000. A token is sent as `Authorization: Bearer <token>`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+import tomllib
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel
 
+from api.schemas import (
+    CheckpointPublic,
+    CheckpointsPublic,
+    EventPublic,
+    EventsPublic,
+    Health,
+    JobPublic,
+    JobsPublic,
+    MetricPublic,
+    MetricsPublic,
+    QueuePublic,
+    QueuesPublic,
+)
 from service.spec import JobSpec, parse_spec_text
-from service.states import TERMINAL_STATES
+from service.states import TERMINAL_STATES, JobState
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+Model = TypeVar("Model", bound=BaseModel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
 
 
 class ApiaryClientError(Exception):
-    """The API refused a request; `message` says why, `status_code` is the HTTP status."""
+    """The API refused a request; `message` says why, `status_code` is the HTTP status (None: no
+    answer), `field` the request field at fault when the server named one."""
 
-    def __init__(self, message: str, *, status_code: int, body: Any = None) -> None:
+    def __init__(
+        self, message: str, *, status_code: int | None, body: Any = None, field: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.body = body
+        self.field = field
+
+
+class ApiaryConnectionError(ApiaryClientError):
+    """The server could not be reached (after the client's retries)."""
+
+
+class ApiaryUnauthorized(ApiaryClientError):
+    """401/403: no token, or one that may not do this."""
+
+
+class ApiaryNotFound(ApiaryClientError):
+    """404: no such job (or attempt, or logs)."""
+
+
+class ApiaryConflict(ApiaryClientError):
+    """409: the job is not in a state that allows this (e.g. cancelling a finished job)."""
+
+
+class ApiaryInvalid(ApiaryClientError):
+    """422: the request (a job spec) is invalid; `field` names the field."""
+
+
+class ApiaryUnavailable(ApiaryClientError):
+    """503: the server or its Ray cluster is unavailable right now."""
+
+
+_ERRORS: dict[int, type[ApiaryClientError]] = {
+    401: ApiaryUnauthorized,
+    403: ApiaryUnauthorized,
+    404: ApiaryNotFound,
+    409: ApiaryConflict,
+    422: ApiaryInvalid,
+    503: ApiaryUnavailable,
+}
+
+
+def _error_of(response: httpx.Response) -> ApiaryClientError:
+    field = None
+    try:
+        body: Any = response.json()
+        message = body.get("message") or str(body.get("detail"))
+        detail = body.get("detail")
+        if isinstance(detail, list) and detail and isinstance(detail[0], dict):
+            loc = [str(part) for part in detail[0].get("loc", [])]
+            if loc and loc[0] in ("body", "query", "path", "header"):
+                loc = loc[1:]
+            field = ".".join(loc) or None
+    except (ValueError, AttributeError):
+        body, message = response.text, response.text or response.reason_phrase
+    cls = _ERRORS.get(response.status_code, ApiaryClientError)
+    return cls(message, status_code=response.status_code, body=body, field=field)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientConfig:
+    url: str = DEFAULT_URL
+    token: str | None = None
+    user: str | None = None
+
+    @classmethod
+    def load(
+        cls, *, url: str | None = None, token: str | None = None, user: str | None = None
+    ) -> ClientConfig:
+        """Arguments, then the environment, then the config file (see the module docstring)."""
+        found = _read_config_file()
+        return cls(
+            url=url or os.environ.get("APIARY_URL") or str(found.get("url") or DEFAULT_URL),
+            token=token or os.environ.get("APIARY_TOKEN") or _str_or_none(found.get("token")),
+            user=user or os.environ.get("APIARY_USER") or _str_or_none(found.get("user")),
+        )
+
+
+def config_path() -> Path:
+    if explicit := os.environ.get("APIARY_CONFIG"):
+        return Path(explicit)
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "apiary" / "config.toml"
+
+
+def _read_config_file() -> dict[str, Any]:
+    path = config_path()
+    try:
+        with path.open("rb") as file:
+            return tomllib.load(file)
+    except FileNotFoundError:
+        return {}
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise ApiaryClientError(f"cannot read {path}: {err}", status_code=None) from None
+
+
+def _str_or_none(value: Any) -> str | None:
+    return str(value) if value else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Server-sent events (the contract: GET /jobs/{id}/stream and /queues/stream)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SSEMessage:
+    event: str
+    data: str
+    id: str | None
+
+
+def parse_sse(lines: Iterator[str]) -> Iterator[SSEMessage]:
+    """Messages of an event stream, as the HTML spec reads them: `field: value` lines, a blank line
+    ends a message, `:` starts a comment, several `data:` lines join with newlines, `id` persists."""
+    event, data, last_id = "", list[str](), None
+    for raw in lines:
+        line = raw.rstrip("\r\n")
+        if not line:
+            if data:
+                yield SSEMessage(event=event or "message", data="\n".join(data), id=last_id)
+            event, data = "", []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "event":
+            event = value
+        elif name == "data":
+            data.append(value)
+        elif name == "id" and "\0" not in value:
+            last_id = value
+
+
+class StreamEnd(BaseModel):
+    """The `end` message of a job's stream: the job ended, everything was sent."""
+
+    state: JobState
+
+
+JobUpdate = JobPublic | EventPublic | MetricsPublic | StreamEnd
+_JOB_MESSAGES: dict[str, type[BaseModel]] = {
+    "state": JobPublic,
+    "event": EventPublic,
+    "metrics": MetricsPublic,
+    "end": StreamEnd,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The client
 
 
 class ApiaryClient:
     def __init__(
-        self, base_url: str = "http://127.0.0.1:8000", *, user: str | None = None, timeout_s: float = 30
-    ):
-        headers = {"X-Apiary-User": user} if user else {}
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self,
+        base_url: str | None = None,
+        *,
+        token: str | None = None,
+        user: str | None = None,
+        timeout_s: float = 30,
+        retries: int = 4,
+        backoff_s: float = 0.25,
+    ) -> None:
+        """`retries`: further tries after a connection error, waiting `backoff_s`, then twice that,
+        and so on (at most 5 s)."""
+        config = ClientConfig.load(url=base_url, token=token, user=user)
+        headers = {}
+        if config.user:
+            headers["X-Apiary-User"] = config.user
+        if config.token:
+            headers["Authorization"] = f"Bearer {config.token}"
+        self.url = config.url.rstrip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
 
     def close(self) -> None:
         self._http.close()
@@ -44,74 +253,211 @@ class ApiaryClient:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = self._http.request(method, path, **kwargs)
-        if response.is_success:
-            return response.json()
-        try:
-            body = response.json()
-            message = body.get("message") or str(body.get("detail"))
-        except ValueError:
-            body, message = response.text, response.text or response.reason_phrase
-        raise ApiaryClientError(message, status_code=response.status_code, body=body)
+    # --- plumbing ---------------------------------------------------------------------------
 
-    def submit(self, spec: JobSpec | dict[str, Any] | str | Path) -> dict[str, Any]:
+    def _send(self, method: str, path: str, *, resend: bool, **kwargs: Any) -> httpx.Response:
+        """One request, tried again after a connection error. A request that may have reached the
+        server (a read timeout, a dropped answer) is sent again only if `resend` (safe to repeat)."""
+        for attempt in range(self.retries + 1):
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as err:
+                never_sent = isinstance(err, httpx.ConnectError | httpx.ConnectTimeout)
+                if attempt == self.retries or not (never_sent or resend):
+                    raise ApiaryConnectionError(
+                        f"cannot reach Apiary at {self.url}: {err or type(err).__name__}", status_code=None
+                    ) from None
+                time.sleep(min(self.backoff_s * 2**attempt, 5.0))
+                continue
+            if not response.is_success:
+                raise _error_of(response)
+            return response
+        raise AssertionError("unreachable")
+
+    def _get(self, path: str, model: type[Model], **kwargs: Any) -> Model:
+        return model.model_validate(self._send("GET", path, resend=True, **kwargs).json())
+
+    def _post(self, path: str, model: type[Model], *, resend: bool = False, **kwargs: Any) -> Model:
+        return model.model_validate(self._send("POST", path, resend=resend, **kwargs).json())
+
+    # --- jobs -------------------------------------------------------------------------------
+
+    def submit(
+        self, spec: JobSpec | dict[str, Any] | str | Path, *, idempotency_key: str | None = None
+    ) -> JobPublic:
+        """Queue a job: a JobSpec, a dict, or the path of a YAML/JSON file. One Idempotency-Key (a
+        fresh uuid unless given) for all tries: the server keeps one job for it."""
         if isinstance(spec, JobSpec):
             payload: dict[str, Any] = spec.model_dump(mode="json")
         elif isinstance(spec, dict):
             payload = spec
         else:
             payload = parse_spec_text(Path(spec).read_text())
-        result: dict[str, Any] = self._request("POST", "/jobs", json=payload)
-        return result
+        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
+        return self._post("/jobs", JobPublic, resend=True, json=payload, headers=headers)
 
-    def get(self, job_id: int) -> dict[str, Any]:
-        result: dict[str, Any] = self._request("GET", f"/jobs/{job_id}")
-        return result
+    def get(self, job_id: int) -> JobPublic:
+        return self._get(f"/jobs/{job_id}", JobPublic)
 
     def list_jobs(
-        self, *, state: list[str] | None = None, queue: str | None = None, limit: int = 100
-    ) -> dict[str, Any]:
-        params: dict[str, Any] = {"limit": limit}
+        self,
+        *,
+        state: list[str] | list[JobState] | None = None,
+        queue: str | None = None,
+        offset: int = 0,
+        limit: int = 100,
+    ) -> JobsPublic:
+        """One page of jobs, newest first; `count` is how many match in all."""
+        params: dict[str, Any] = {"offset": offset, "limit": limit}
         if state:
-            params["state"] = state
+            params["state"] = [str(s) for s in state]
         if queue:
             params["queue"] = queue
-        result: dict[str, Any] = self._request("GET", "/jobs", params=params)
-        return result
+        return self._get("/jobs", JobsPublic, params=params)
 
-    def cancel(self, job_id: int) -> dict[str, Any]:
-        result: dict[str, Any] = self._request("POST", f"/jobs/{job_id}/cancel")
-        return result
+    def iter_jobs(
+        self,
+        *,
+        state: list[str] | list[JobState] | None = None,
+        queue: str | None = None,
+        page_size: int = 100,
+    ) -> Iterator[JobPublic]:
+        """Every matching job, newest first, fetching page after page (a job submitted meanwhile
+        shifts the pages: each job is still yielded once)."""
+        seen: set[int] = set()
+        offset = 0
+        while True:
+            page = self.list_jobs(state=state, queue=queue, offset=offset, limit=page_size)
+            for job in page.data:
+                if job.id not in seen:
+                    seen.add(job.id)
+                    yield job
+            offset += len(page.data)
+            if not page.data or offset >= page.count:
+                return
 
-    def preempt(self, job_id: int) -> dict[str, Any]:
+    def cancel(self, job_id: int) -> JobPublic:
+        return self._post(f"/jobs/{job_id}/cancel", JobPublic)
+
+    def preempt(self, job_id: int) -> JobPublic:
         """Checkpoint a running job and put it back in its queue; it resumes from that checkpoint."""
-        result: dict[str, Any] = self._request("POST", f"/jobs/{job_id}/preempt")
-        return result
+        return self._post(f"/jobs/{job_id}/preempt", JobPublic)
 
-    def queues(self, *, limit: int = 100) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._request("GET", "/queues", params={"limit": limit})["data"]
-        return result
-
-    def events(self, job_id: int) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._request("GET", f"/jobs/{job_id}/events")["data"]
-        return result
-
-    def metrics(self, job_id: int, **filters: int | str) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._request("GET", f"/jobs/{job_id}/metrics", params=filters)["data"]
-        return result
-
-    def health(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._request("GET", "/healthz")
-        return result
-
-    def wait(self, job_id: int, *, timeout_s: float = 600, poll_s: float = 1.0) -> dict[str, Any]:
+    def wait(self, job_id: int, *, timeout_s: float = 600, poll_s: float = 1.0) -> JobPublic:
         """Block until the job ends; TimeoutError (with its last state) if it has not by `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:
             job = self.get(job_id)
-            if job["state"] in TERMINAL_STATES:
+            if job.state in TERMINAL_STATES:
                 return job
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} is still {job['state']} after {timeout_s:.0f} s")
+                raise TimeoutError(f"job {job_id} is still {job.state.value} after {timeout_s:.0f} s")
             time.sleep(poll_s)
+
+    def events(self, job_id: int) -> list[EventPublic]:
+        return self._get(f"/jobs/{job_id}/events", EventsPublic).data
+
+    def metrics(self, job_id: int, **filters: int | str) -> list[MetricPublic]:
+        """Stored points, by step then rank; filters: rank, min_step, max_step, limit, segments."""
+        return self._get(f"/jobs/{job_id}/metrics", MetricsPublic, params=filters).data
+
+    def checkpoints(self, job_id: int) -> list[CheckpointPublic]:
+        return self._get(f"/jobs/{job_id}/checkpoints", CheckpointsPublic).data
+
+    def logs(self, job_id: int, *, attempt: int | None = None, tail: int | None = None) -> str:
+        """The job's log so far (driver and ranks) for `attempt` (default the latest)."""
+        params = _without_none(attempt=attempt, tail=tail)
+        return self._send("GET", f"/jobs/{job_id}/logs", resend=True, params=params).text
+
+    def follow_logs(
+        self, job_id: int, *, attempt: int | None = None, tail: int | None = None
+    ) -> Iterator[str]:
+        """The log in chunks as it grows, until the job's Ray job ends."""
+        params = {**_without_none(attempt=attempt, tail=tail), "follow": "true"}
+        with self._open_stream(f"/jobs/{job_id}/logs", params=params, headers={}) as response:
+            yield from response.iter_text()
+
+    # --- queues and health ------------------------------------------------------------------
+
+    def queues(self, *, limit: int = 100) -> list[QueuePublic]:
+        return self._get("/queues", QueuesPublic, params={"limit": limit}).data
+
+    def health(self) -> Health:
+        response = self._http.get("/healthz")  # 503 still answers with the body
+        return Health.model_validate(response.json())
+
+    # --- streams ----------------------------------------------------------------------------
+
+    def stream(self, job_id: int) -> Iterator[JobUpdate]:
+        """A job's live stream: JobPublic on each change (first the current one), EventPublic,
+        MetricsPublic batches, and last StreamEnd. A dropped connection is resumed (Last-Event-ID)."""
+        for message in self._sse(f"/jobs/{job_id}/stream", until="end"):
+            model = _JOB_MESSAGES.get(message.event)
+            if model is not None:
+                yield model.model_validate_json(message.data)  # type: ignore[misc]
+
+    def stream_metrics(self, job_id: int) -> Iterator[MetricPublic]:
+        """New metric points as they arrive, until the job ends."""
+        for update in self.stream(job_id):
+            if isinstance(update, MetricsPublic):
+                yield from update.data
+
+    def stream_events(self, job_id: int) -> Iterator[EventPublic]:
+        """The job's events (its whole history first), until the job ends."""
+        for update in self.stream(job_id):
+            if isinstance(update, EventPublic):
+                yield update
+
+    def stream_queues(self) -> Iterator[list[QueuePublic]]:
+        """The queues (GET /queues) now and whenever they change; endless."""
+        for message in self._sse("/queues/stream", until=None):
+            if message.event == "queues":
+                yield QueuesPublic.model_validate_json(message.data).data
+
+    def _sse(self, path: str, *, until: str | None) -> Iterator[SSEMessage]:
+        """Messages of an event stream; reconnects with Last-Event-ID when the connection drops
+        (`retries` tries in a row, with backoff), until a message of type `until` arrives."""
+        last_id: str | None = None
+        failures = 0
+        while True:
+            headers = {"Accept": "text/event-stream"}
+            if last_id is not None:
+                headers["Last-Event-ID"] = last_id
+            try:
+                with self._open_stream(path, params={}, headers=headers) as response:
+                    for message in parse_sse(response.iter_lines()):
+                        failures = 0
+                        last_id = message.id if message.id is not None else last_id
+                        yield message
+                        if message.event == until:
+                            return
+            except (httpx.TransportError, ApiaryConnectionError) as err:
+                reason: Exception = err
+            else:
+                reason = ApiaryConnectionError(f"{path} closed before its end", status_code=None)
+            failures += 1
+            if failures > self.retries:
+                raise ApiaryConnectionError(
+                    f"lost the stream {self.url}{path}: {reason}", status_code=None
+                ) from None
+            time.sleep(min(self.backoff_s * 2 ** (failures - 1), 5.0))
+
+    @contextlib.contextmanager
+    def _open_stream(
+        self, path: str, *, params: dict[str, Any], headers: dict[str, str]
+    ) -> Iterator[httpx.Response]:
+        """An open streaming GET, its status checked; no read timeout (a quiet stream is not dead)."""
+        timeout = httpx.Timeout(self._http.timeout.connect or 30, read=None)
+        try:
+            with self._http.stream("GET", path, params=params, headers=headers, timeout=timeout) as response:
+                if not response.is_success:
+                    response.read()
+                    raise _error_of(response)
+                yield response
+        except (httpx.ConnectError, httpx.ConnectTimeout) as err:
+            message = f"cannot reach Apiary at {self.url}: {err}"
+            raise ApiaryConnectionError(message, status_code=None) from None
+
+
+def _without_none(**params: Any) -> dict[str, Any]:
+    return {key: value for key, value in params.items() if value is not None}

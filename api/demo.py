@@ -108,26 +108,26 @@ def run_demo_job(url: str, *, dataset: Path, steps: int, workers: int, console: 
     with ApiaryClient(url, user="demo") as client:
         job = client.submit(demo_spec(dataset, steps=steps, workers=workers))
         console.print(
-            f"[bold]3.[/] submitted job {job['id']} ({workers} workers, {steps} steps); waiting for Ray"
+            f"[bold]3.[/] submitted job {job.id} ({workers} workers, {steps} steps); waiting for Ray"
         )
         shown_state, last_step, started = "", -1, time.monotonic()
-        while job["state"] not in TERMINAL_STATES:
+        while job.state not in TERMINAL_STATES:
             time.sleep(1)
-            job = client.get(job["id"])
-            if job["state"] != shown_state:
-                shown_state = job["state"]
+            job = client.get(job.id)
+            if job.state != shown_state:
+                shown_state = job.state
                 console.print(f"    state: [cyan]{shown_state}[/] ({time.monotonic() - started:.0f} s)")
-            points = client.metrics(job["id"], rank=0, min_step=last_step + 1)
+            points = client.metrics(job.id, rank=0, min_step=last_step + 1)
             for point in points[-1:]:
-                last_step = point["step"]
-                values = point["values"]
+                last_step = point.step
+                values = point.values
                 console.print(
                     f"    step {last_step:>4}/{steps}  loss {values.get('loss', float('nan')):.3f}  "
                     f"{values.get('samples_per_s', 0):.0f} samples/s"
                 )
-        style = "green" if job["state"] == "succeeded" else "red"
-        console.print(f"[bold]4.[/] job {job['id']} [{style}]{job['state']}[/]", end="")
-        console.print(f": {job['message']}" if job.get("message") else "")
-        if job.get("latest_checkpoint"):
-            console.print(f"    checkpoint: {job['latest_checkpoint']}")
-        return 0 if job["state"] == "succeeded" else 1
+        style = "green" if job.state == "succeeded" else "red"
+        console.print(f"[bold]4.[/] job {job.id} [{style}]{job.state}[/]", end="")
+        console.print(f": {job.message}" if job.message else "")
+        if job.latest_checkpoint:
+            console.print(f"    checkpoint: {job.latest_checkpoint}")
+        return 0 if job.state == "succeeded" else 1

@@ -9,7 +9,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from service.errors import ApiaryError, ClusterUnavailable, InvalidSpec, InvalidTransition, JobNotFound
+from service.errors import (
+    ApiaryError,
+    ClusterUnavailable,
+    InvalidSpec,
+    InvalidTransition,
+    JobNotFound,
+    JobNotStarted,
+    LogsNotFound,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +26,8 @@ STATUS: dict[type[ApiaryError], int] = {
     InvalidSpec: 422,
     InvalidTransition: 409,
     ClusterUnavailable: 503,
+    JobNotStarted: 409,
+    LogsNotFound: 404,
 }
 
 

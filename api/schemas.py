@@ -1,17 +1,21 @@
-"""Request and response schemas, one per direction. The request body of POST /jobs is `JobSpec`."""
+"""Request and response schemas, one per direction. The request body of POST /jobs is `JobSpec`.
+
+The SDK (api.client) returns these same models, so this module loads without SQLAlchemy or FastAPI."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.jobs import QueueView
-from service.models import Checkpoint, CheckpointState, Job, JobEvent, Metric
 from service.queues import QueueConfig
 from service.spec import JobSpec
-from service.states import JobState
+from service.states import CheckpointState, JobState
+
+if TYPE_CHECKING:  # the SDK (api.client) reads these schemas without the database's modules
+    from service.jobs import QueueView
+    from service.models import Checkpoint, Job, JobEvent, Metric
 
 
 class JobPublic(BaseModel):

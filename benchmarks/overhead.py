@@ -203,12 +203,13 @@ def run_job(client: ApiaryClient, spec: dict[str, Any], *, timeout_s: float) -> 
     job = client.submit(spec)
     # Every figure comes from the job's own timestamps (metrics, events), not from this poll: poll
     # rarely, so that the benchmark's requests take next to nothing from the job's cores.
-    job = client.wait(job["id"], timeout_s=timeout_s, poll_s=5)
-    if job["state"] != "succeeded":
-        raise RuntimeError(f"Apiary job {job['id']} ended {job['state']}: {job.get('message')}")
-    points = client.metrics(job["id"], rank=0)
-    events = client.events(job["id"])
-    return {"submitted": submitted, "job": job, "points": points, "events": events}
+    job = client.wait(job.id, timeout_s=timeout_s, poll_s=5)
+    if job.state != "succeeded":
+        raise RuntimeError(f"Apiary job {job.id} ended {job.state}: {job.message}")
+    # Plain JSON from here: the figures below read the API's fields by name.
+    points = [point.model_dump(mode="json") for point in client.metrics(job.id, rank=0)]
+    events = [event.model_dump(mode="json") for event in client.events(job.id)]
+    return {"submitted": submitted, "job": job.model_dump(mode="json"), "points": points, "events": events}
 
 
 def event_offsets(events: list[dict[str, Any]], *, since: float) -> dict[str, float]:

@@ -228,11 +228,11 @@ def window_rate(
 def wait_for_step(client: ApiaryClient, job_id: int, *, step: int, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(p["step"] >= step for p in client.metrics(job_id, rank=0)):
+        if any(p.step >= step for p in client.metrics(job_id, rank=0)):
             return
         job = client.get(job_id)
-        if job["state"] in TERMINAL_STATES:
-            raise RuntimeError(f"job {job_id} ended {job['state']} before step {step}: {job.get('message')}")
+        if job.state in TERMINAL_STATES:
+            raise RuntimeError(f"job {job_id} ended {job.state} before step {step}: {job.message}")
         time.sleep(2)
     raise RuntimeError(f"job {job_id} did not reach step {step} in {timeout_s:.0f} s")
 
@@ -260,7 +260,7 @@ def run_windows(
             )
             spec = build_spec(args, dataset_uri=dataset_uri, max_steps=max_steps, name="breakdown")
             job = client.submit(spec)
-            wait_for_step(client, job["id"], step=args.warmup_steps)
+            wait_for_step(client, job.id, step=args.warmup_steps)
             # Per window, the processes it paused or moved off the ranks' cores.
             touched: dict[str, list[Proc]] = {}
             for phase in PLAN:
@@ -277,10 +277,10 @@ def run_windows(
                 if procs:
                     touched[phase] = procs
                 windows.append({"phase": phase, "start": started + args.settle_s, "end": ended})
-            done = client.wait(job["id"], timeout_s=1800, poll_s=5)
-            if done["state"] != "succeeded":
-                raise RuntimeError(f"job {job['id']} ended {done['state']}: {done.get('message')}")
-            points = client.metrics(job["id"], rank=0)
+            done = client.wait(job.id, timeout_s=1800, poll_s=5)
+            if done.state != "succeeded":
+                raise RuntimeError(f"job {job.id} ended {done.state}: {done.message}")
+            points = [point.model_dump(mode="json") for point in client.metrics(job.id, rank=0)]
     finally:
         serve.stop()
     for window in windows:

@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from api.client import ApiaryClient  # noqa: E402
 from api.demo import classification_table, write_shards  # noqa: E402
+from api.schemas import JobPublic, MetricPublic  # noqa: E402
 from tests.e2e.conftest import Served, start_serve, stop_serve  # noqa: E402
 from tests.support.processes import job_driver, train_workers  # noqa: E402
 from trainers.checkpoint import build_model_from_checkpoint  # noqa: E402
@@ -118,23 +119,23 @@ class Bench:
         stop_serve(self.served)
 
 
-def wait_for_step(client: ApiaryClient, job_id: int, step: int, timeout_s: float = 300) -> dict[str, Any]:
+def wait_for_step(client: ApiaryClient, job_id: int, step: int, timeout_s: float = 300) -> JobPublic:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         job = client.get(job_id)
-        if job["state"] in ("succeeded", "failed", "cancelled"):
-            raise RuntimeError(f"job {job_id} ended ({job['state']}: {job['message']}) before step {step}")
-        if job["state"] == "running" and (job["latest_step"] or 0) >= step:
+        if job.state in ("succeeded", "failed", "cancelled"):
+            raise RuntimeError(f"job {job_id} ended ({job.state}: {job.message}) before step {step}")
+        if job.state == "running" and (job.latest_step or 0) >= step:
             return job
         time.sleep(0.1)
     raise TimeoutError(f"job {job_id} did not reach step {step} within {timeout_s:g} s")
 
 
-def segments(client: ApiaryClient, job_id: int) -> dict[tuple[int, int], list[dict[str, Any]]]:
+def segments(client: ApiaryClient, job_id: int) -> dict[tuple[int, int], list[MetricPublic]]:
     """Rank 0's points of every (attempt, segment), as trained."""
-    by_segment: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    by_segment: dict[tuple[int, int], list[MetricPublic]] = {}
     for point in client.metrics(job_id, rank=0, segments="all", limit=100_000):
-        by_segment.setdefault((point["attempt"], point["segment"]), []).append(point)
+        by_segment.setdefault((point.attempt, point.segment), []).append(point)
     return by_segment
 
 
@@ -172,7 +173,7 @@ def recover(bench: Bench, kind: str, job_id: int, *, at_step: int) -> Failure:
             recovery_s = time.time() - killed_at
             after = segments(client, job_id)
             lost = 0 if set(after) == set(before) else -1  # -1: the service kill made it retrain
-            return Failure(kind, job["latest_step"] or 0, recovery_s, lost, None)
+            return Failure(kind, job.latest_step or 0, recovery_s, lost, None)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             after = segments(client, job_id)
@@ -182,33 +183,31 @@ def recover(bench: Bench, kind: str, job_id: int, *, at_step: int) -> Failure:
             time.sleep(0.2)
         else:
             job = client.get(job_id)
-            timeline = "\n".join(f"  {e['at']} {e['actor']}: {e['reason']}" for e in client.events(job_id))
+            timeline = "\n".join(f"  {e.at} {e.actor}: {e.reason}" for e in client.events(job_id))
             raise TimeoutError(
-                f"job {job_id} did not train again within 300 s of the {kind} kill; it is {job['state']} "
-                f"(attempt {job['attempt']}):\n{timeline}"
+                f"job {job_id} did not train again within 300 s of the {kind} kill; it is {job.state} "
+                f"(attempt {job.attempt}):\n{timeline}"
             )
-        first = min(after[min(new)], key=lambda point: point["step"])
-        last_before = max(point["step"] for point in after[current])
-        resumed_from = first["step"] - 1
-        return Failure(kind, last_before, first["time"] - killed_at, last_before - resumed_from, resumed_from)
+        first = min(after[min(new)], key=lambda point: point.step)
+        last_before = max(point.step for point in after[current])
+        resumed_from = first.step - 1
+        return Failure(kind, last_before, first.time - killed_at, last_before - resumed_from, resumed_from)
 
 
-def finish(bench: Bench, job_id: int, reference: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+def finish(bench: Bench, job_id: int, reference: JobPublic) -> tuple[JobPublic, bool]:
     """The job once it ended, and whether it is identical to `reference`."""
     with bench.client() as client:
         job = client.wait(job_id, timeout_s=900)
         return job, identical(client, job, reference)
 
 
-def identical(client: ApiaryClient, job: dict[str, Any], reference: dict[str, Any]) -> bool:
-    if job["state"] != "succeeded":
+def identical(client: ApiaryClient, job: JobPublic, reference: JobPublic) -> bool:
+    if job.state != "succeeded":
         return False
-    curve = {(p["step"], p["rank"]): p["values"]["loss"] for p in client.metrics(job["id"], limit=100_000)}
-    expected = {
-        (p["step"], p["rank"]): p["values"]["loss"] for p in client.metrics(reference["id"], limit=100_000)
-    }
-    final = build_model_from_checkpoint(urlparse(job["latest_checkpoint"]).path).state_dict()
-    want = build_model_from_checkpoint(urlparse(reference["latest_checkpoint"]).path).state_dict()
+    curve = {(p.step, p.rank): p.values["loss"] for p in client.metrics(job.id, limit=100_000)}
+    expected = {(p.step, p.rank): p.values["loss"] for p in client.metrics(reference.id, limit=100_000)}
+    final = build_model_from_checkpoint(urlparse(job.latest_checkpoint or "").path).state_dict()
+    want = build_model_from_checkpoint(urlparse(reference.latest_checkpoint or "").path).state_dict()
     return (
         curve == expected
         and final.keys() == want.keys()
@@ -216,11 +215,11 @@ def identical(client: ApiaryClient, job: dict[str, Any], reference: dict[str, An
     )
 
 
-def run_reference(bench: Bench, dataset: str, *, steps: int, every: int, name: str) -> dict[str, Any]:
+def run_reference(bench: Bench, dataset: str, *, steps: int, every: int, name: str) -> JobPublic:
     with bench.client() as client:
-        job = client.wait(client.submit(spec(dataset, name, steps=steps, every=every))["id"], timeout_s=600)
-    if job["state"] != "succeeded":
-        raise RuntimeError(f"the reference run failed: {job['message']}")
+        job = client.wait(client.submit(spec(dataset, name, steps=steps, every=every)).id, timeout_s=600)
+    if job.state != "succeeded":
+        raise RuntimeError(f"the reference run failed: {job.message}")
     return job
 
 
@@ -257,12 +256,12 @@ def report(bench: Bench, dataset: str, args: argparse.Namespace) -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for kind in [kind for kind in args.kinds.split(",") if kind]:
         with bench.client() as client:
-            job_id = client.submit(spec(dataset, f"kill-{kind}", steps=args.steps, every=args.every))["id"]
+            job_id = client.submit(spec(dataset, f"kill-{kind}", steps=args.steps, every=args.every)).id
         failure = recover(bench, kind, job_id, at_step=kill_step)
         job, same = finish(bench, job_id, reference)
         print(
             f"| {kind} | {failure.recovery_s:.1f} | {GOALS_S[kind]:g} | {failure.steps_lost} | "
-            f"{failure.resumed_from if failure.resumed_from is not None else '-'} | {job['attempt']} | "
+            f"{failure.resumed_from if failure.resumed_from is not None else '-'} | {job.attempt} | "
             f"{'yes' if same else 'NO'} |",
             flush=True,
         )
@@ -286,7 +285,7 @@ def chaos(bench: Bench, dataset: str, args: argparse.Namespace) -> None:
     print("| # | failure | at step | recovery (s) | steps lost |")
     print("| ---: | --- | ---: | ---: | ---: |")
     with bench.client() as client:
-        job_id = client.submit(spec(dataset, "chaos", steps=steps, every=every))["id"]
+        job_id = client.submit(spec(dataset, "chaos", steps=steps, every=every)).id
     total_lost = 0
     for number, (kind, step) in enumerate(zip(kinds, points, strict=True), start=1):
         try:
@@ -302,8 +301,8 @@ def chaos(bench: Bench, dataset: str, args: argparse.Namespace) -> None:
         )
     job, same = finish(bench, job_id, reference)
     print(
-        f"\nchaos run: {job['state']}, attempt {job['attempt']}, restarts {job['restarts']}, failures "
-        f"{job['failures']}, {total_lost} steps trained twice; identical to the undisturbed run: "
+        f"\nchaos run: {job.state}, attempt {job.attempt}, restarts {job.restarts}, failures "
+        f"{job.failures}, {total_lost} steps trained twice; identical to the undisturbed run: "
         f"{'yes' if same else 'NO'}"
     )
 

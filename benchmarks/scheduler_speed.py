@@ -83,6 +83,9 @@ class FakeCluster:
     def job_logs(self, submission_id: str) -> str:
         return ""
 
+    def submissions(self, prefix: str) -> list[str]:
+        return [sid for sid in self.statuses if sid.startswith(prefix)]
+
     def stop(self, submission_id: str) -> None:
         self.statuses[submission_id] = RayJobStatus.STOPPED
 

@@ -63,6 +63,8 @@ class ClusterBackend(Protocol):
 
     def job_logs(self, submission_id: str) -> str: ...
 
+    def submissions(self, prefix: str) -> list[str]: ...
+
     def stop(self, submission_id: str) -> None: ...
 
 
@@ -133,11 +135,26 @@ class RayBackend:
             logger.warning("cannot read logs of Ray job %s: %s", submission_id, err)
             return ""
 
+    def submissions(self, prefix: str) -> list[str]:
+        """The submission ids the cluster knows that start with `prefix` (oldest first)."""
+        try:
+            jobs = self._jobs.list_jobs()
+        except Exception as err:
+            raise ClusterUnavailable(f"cannot list Ray jobs at {self.dashboard_url}: {err}") from err
+        found = [job for job in jobs if (job.submission_id or "").startswith(prefix)]
+        return [str(job.submission_id) for job in sorted(found, key=lambda job: job.start_time or 0)]
+
     def stop(self, submission_id: str) -> None:
         try:
             self._jobs.stop_job(submission_id)
         except Exception as err:
             raise ClusterUnavailable(f"cannot stop Ray job {submission_id}: {err}") from err
+
+
+def submission_prefix(job_id: int, attempt: int) -> str:
+    """The start of the Ray submission id of a job's attempt (the scheduler adds a random suffix), by
+    which an earlier attempt's Ray job is found again: the job row holds only the current one."""
+    return f"apiary-job-{job_id}-attempt-{attempt}-"
 
 
 def stop_job(backend: ClusterBackend, submission_id: str) -> None:

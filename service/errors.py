@@ -36,6 +36,14 @@ class InvalidTransition(ApiaryError):
     """The job cannot move to that state from where it is."""
 
 
+class JobNotStarted(ApiaryError):
+    """The job has not started yet: it has no logs."""
+
+
+class LogsNotFound(ApiaryError):
+    """Ray has no logs for that attempt of the job."""
+
+
 class ClusterUnavailable(ApiaryError):
     """The Ray cluster cannot be reached right now; try again shortly."""
 

@@ -7,10 +7,10 @@ import importlib.util
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from service import repository
+from service import logs, repository
 from service.cluster import ClusterBackend, stop_job
 from service.db import Database
 from service.errors import ClusterUnavailable, InvalidSpec, InvalidTransition, Unschedulable
@@ -239,6 +239,18 @@ class JobService:
     def list_checkpoints(self, job_id: int) -> list[Checkpoint]:
         with self.db.session() as session:
             return repository.list_checkpoints(session, job_id)
+
+    def log_source(self, job_id: int, *, attempt: int | None = None) -> logs.LogSource:
+        """Where the log of an attempt (default: the latest) is (service.logs)."""
+        return logs.find_source(self.db, self.backend, job_id, attempt=attempt)
+
+    def read_logs(self, source: logs.LogSource, *, tail: int | None = None) -> str:
+        return logs.read(self.backend, source, tail=tail)
+
+    def follow_logs(
+        self, source: logs.LogSource, *, tail: int | None = None, poll_s: float = 1.0
+    ) -> Iterator[str]:
+        return logs.follow(self.backend, source, tail=tail, poll_s=poll_s)
 
     def _apply_queue(self, spec: JobSpec) -> JobSpec:
         queue = self.settings.queues.of(spec.queue)

@@ -4,7 +4,6 @@ the owners' fair-share usage."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -24,7 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from service.states import JobState
+from service.states import CheckpointState, JobState
 
 # Named constraints, so that migrations on SQLite and PostgreSQL agree on names.
 NAMING = {
@@ -151,15 +150,6 @@ class Metric(Base):
         UniqueConstraint("job_id", "attempt", "segment", "rank", "step", name="uq_metrics_point"),
         Index("ix_metrics_job_step", "job_id", "step"),
     )
-
-
-class CheckpointState(StrEnum):
-    """Where a checkpoint is in its retention (service.retention): deletion is two-phase, so a folder
-    is only ever removed from storage while its row says `deleting`."""
-
-    KEPT = "kept"
-    DELETING = "deleting"  # decided; the folder may be partly gone; retried until it is
-    DELETED = "deleted"
 
 
 class Checkpoint(Base):

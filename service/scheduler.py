@@ -42,7 +42,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from service import repository
-from service.cluster import ClusterBackend, RayJobStatus, stop_job
+from service.cluster import ClusterBackend, RayJobStatus, stop_job, submission_prefix
 from service.db import Database
 from service.errors import ClusterUnavailable
 from service.jobs import gang_for
@@ -710,7 +710,7 @@ CHECKPOINT_HANG_FACTOR = 10
 
 
 def _submission_id(job_id: int, attempt: int) -> str:
-    return f"apiary-job-{job_id}-attempt-{attempt}-{secrets.token_hex(3)}"
+    return f"{submission_prefix(job_id, attempt)}{secrets.token_hex(3)}"
 
 
 def _refused_by_ray(err: Exception) -> bool:

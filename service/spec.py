@@ -10,6 +10,7 @@ implementation.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -335,3 +336,28 @@ def parse_spec_text(text: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError("a job spec must be a mapping of fields")
     return data
+
+
+def field_line(text: str, loc: Sequence[str | int]) -> int | None:
+    """The line (1-based) of the field at `loc` (a pydantic error location, e.g. ("dataset", "uri"))
+    in a YAML or JSON document: the deepest part of the path the document has (for a missing field,
+    its parent's line); None if the text is not YAML."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    if node is None:
+        return None
+    line = node.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            found = next((pair for pair in node.value if pair[0].value == str(part)), None)
+            if found is None:
+                break
+            line, node = found[0].start_mark.line + 1, found[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line

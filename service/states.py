@@ -115,3 +115,12 @@ ACTIVE_STATES = frozenset({JobState.ADMITTED, JobState.RUNNING, JobState.PREEMPT
 
 def can_transition(current: JobState, target: JobState) -> bool:
     return target in ALLOWED[current]
+
+
+class CheckpointState(StrEnum):
+    """Where a checkpoint is in its retention (service.retention): deletion is two-phase, so a folder
+    is only ever removed from storage while its row says `deleting`."""
+
+    KEPT = "kept"
+    DELETING = "deleting"  # decided; the folder may be partly gone; retried until it is
+    DELETED = "deleted"

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from api.client import ApiaryClient
+from api.schemas import JobPublic
 from tests.e2e.conftest import Served, mlp_spec, serving, start_serve, stop_serve
 from tests.support.processes import job_driver, train_workers
 from tests.support.wait import wait_until
@@ -52,24 +53,24 @@ def reference(served: Served, dataset: str) -> dict[str, dict[str, Any]]:
     with ApiaryClient(served.url, user="e2e") as client:
         for strategy in ("ddp", "fsdp"):
             job = client.wait(
-                client.submit(long_spec(dataset, f"whole-{strategy}", strategy=strategy))["id"], timeout_s=400
+                client.submit(long_spec(dataset, f"whole-{strategy}", strategy=strategy)).id, timeout_s=400
             )
-            assert job["state"] == "succeeded", job
-            runs[strategy] = {"job": job, "loss": loss_curve(client, job["id"])}
+            assert job.state == "succeeded", job
+            runs[strategy] = {"job": job, "loss": loss_curve(client, job.id)}
     return runs
 
 
 def loss_curve(client: ApiaryClient, job_id: int) -> dict[tuple[int, int], float]:
-    return {(p["step"], p["rank"]): p["values"]["loss"] for p in client.metrics(job_id)}
+    return {(p.step, p.rank): p.values["loss"] for p in client.metrics(job_id)}
 
 
-def assert_same_run(client: ApiaryClient, job: dict[str, Any], whole: dict[str, Any]) -> None:
-    assert job["state"] == "succeeded", job
-    assert job["latest_checkpoint_step"] == STEPS
+def assert_same_run(client: ApiaryClient, job: JobPublic, whole: dict[str, Any]) -> None:
+    assert job.state == "succeeded", job
+    assert job.latest_checkpoint_step == STEPS
     # The curve that counted: every step of every rank, each equal to the undisturbed run's.
-    assert loss_curve(client, job["id"]) == whole["loss"]
-    final = build_model_from_checkpoint(urlparse(job["latest_checkpoint"]).path).state_dict()
-    expected = build_model_from_checkpoint(urlparse(whole["job"]["latest_checkpoint"]).path).state_dict()
+    assert loss_curve(client, job.id) == whole["loss"]
+    final = build_model_from_checkpoint(urlparse(job.latest_checkpoint).path).state_dict()
+    expected = build_model_from_checkpoint(urlparse(whole["job"].latest_checkpoint).path).state_dict()
     assert final.keys() == expected.keys()
     assert all(torch.equal(final[name], tensor) for name, tensor in expected.items())
 
@@ -77,14 +78,14 @@ def assert_same_run(client: ApiaryClient, job: dict[str, Any], whole: dict[str, 
 def wait_for_step(client: ApiaryClient, job_id: int, step: int) -> None:
     def reached() -> bool:
         job = client.get(job_id)
-        assert job["state"] in ("queued", "admitted", "running"), job
-        return (job["latest_step"] or 0) >= step
+        assert job.state in ("queued", "admitted", "running"), job
+        return (job.latest_step or 0) >= step
 
     wait_until(reached, timeout_s=300, interval_s=0.2, what=f"job {job_id} at step {step}")
 
 
 def reasons(client: ApiaryClient, job_id: int) -> list[str]:
-    return [event["reason"] for event in client.events(job_id)]
+    return [event.reason for event in client.events(job_id)]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -95,21 +96,21 @@ def test_a_killed_train_worker_restarts_the_group_from_the_checkpoint_and_the_ru
     strategy: str,
 ) -> None:
     job = client.submit(long_spec(dataset, f"worker-kill-{strategy}", strategy=strategy))
-    wait_for_step(client, job["id"], KILL_AFTER)
+    wait_for_step(client, job.id, KILL_AFTER)
     workers = train_workers()
     assert len(workers) == 2, workers
     os.kill(workers[-1], signal.SIGKILL)
 
-    job = client.wait(job["id"], timeout_s=400)
+    job = client.wait(job.id, timeout_s=400)
     assert_same_run(client, job, reference[strategy])
-    assert (job["attempt"], job["restarts"], job["failures"]) == (1, 1, 1)
-    said = reasons(client, job["id"])
+    assert (job.attempt, job.restarts, job.failures) == (1, 1, 1)
+    said = reasons(client, job.id)
     assert any("worker group failed (rank" in reason and "[worker_failed]" in reason for reason in said), said
     restart = next(reason for reason in said if "worker group restarted by Ray Train" in reason)
     assert f"resumed from step {EVERY}" in restart, restart
     # The abandoned steps are kept apart: on request, steps past the checkpoint appear twice.
-    replayed = [p for p in client.metrics(job["id"], rank=0, segments="all") if p["step"] == EVERY + 1]
-    assert len({p["segment"] for p in replayed}) == 2
+    replayed = [p for p in client.metrics(job.id, rank=0, segments="all") if p.step == EVERY + 1]
+    assert len({p.segment for p in replayed}) == 2
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -117,15 +118,15 @@ def test_a_killed_driver_is_resubmitted_from_the_checkpoint_and_the_run_is_the_s
     client: ApiaryClient, dataset: str, reference: dict[str, dict[str, Any]], strategy: str
 ) -> None:
     job = client.submit(long_spec(dataset, f"driver-kill-{strategy}", strategy=strategy))
-    wait_for_step(client, job["id"], KILL_AFTER)
-    driver = job_driver(job["id"])
+    wait_for_step(client, job.id, KILL_AFTER)
+    driver = job_driver(job.id)
     assert driver is not None
     os.kill(driver, signal.SIGKILL)
 
-    job = client.wait(job["id"], timeout_s=400)
+    job = client.wait(job.id, timeout_s=400)
     assert_same_run(client, job, reference[strategy])
-    assert (job["attempt"], job["failures"]) == (2, 1)
-    said = reasons(client, job["id"])
+    assert (job.attempt, job.failures) == (2, 1)
+    said = reasons(client, job.id)
     assert any("resubmitted as attempt 2, resuming from its newest complete checkpoint" in r for r in said), (
         said
     )
@@ -140,18 +141,18 @@ def test_a_frozen_train_worker_is_detected_and_its_job_restarted_from_the_checkp
     client: ApiaryClient, dataset: str, reference: dict[str, dict[str, Any]]
 ) -> None:
     job = client.submit(long_spec(dataset, "frozen-worker"))
-    wait_for_step(client, job["id"], KILL_AFTER)
+    wait_for_step(client, job.id, KILL_AFTER)
     workers = train_workers()
     assert len(workers) == 2, workers
     os.kill(workers[-1], signal.SIGSTOP)  # alive, and making no progress: a hang
     try:
-        job = client.wait(job["id"], timeout_s=400)
+        job = client.wait(job.id, timeout_s=400)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(workers[-1], signal.SIGKILL)
     assert_same_run(client, job, reference["ddp"])
-    assert (job["attempt"], job["failures"]) == (2, 1)
-    hung = next(r for r in reasons(client, job["id"]) if "no rank completed a step" in r)
+    assert (job.attempt, job.failures) == (2, 1)
+    hung = next(r for r in reasons(client, job.id) if "no rank completed a step" in r)
     assert "stopped reporting" in hung and "frozen, or cut off" in hung, hung
 
 
@@ -165,7 +166,7 @@ def test_serve_killed_mid_run_loses_nothing_and_the_run_is_the_same(
     first = start_serve(data_dir=data_dir, database_url=postgres_url, log=tmp_path / "serve-1.log")
     with ApiaryClient(first.url, user="e2e") as client:
         job = client.submit(long_spec(dataset, "serve-kill"))
-        wait_for_step(client, job["id"], KILL_AFTER)
+        wait_for_step(client, job.id, KILL_AFTER)
     first.process.kill()
     first.process.wait(30)
     time.sleep(5)  # the job trains on, its telemetry buffered
@@ -177,9 +178,9 @@ def test_serve_killed_mid_run_loses_nothing_and_the_run_is_the_same(
     try:
         assert second.ray_state()["pid"] == first.ray_state()["pid"]
         with ApiaryClient(second.url, user="e2e") as client:
-            job = client.wait(job["id"], timeout_s=400)
+            job = client.wait(job.id, timeout_s=400)
             assert_same_run(client, job, reference["ddp"])
-            assert (job["attempt"], job["failures"]) == (1, 0)  # adopted, not resubmitted
+            assert (job.attempt, job.failures) == (1, 0)  # adopted, not resubmitted
     finally:
         stop_serve(second)
 
@@ -195,13 +196,13 @@ def test_a_dead_local_ray_is_started_again_and_its_job_recovered(
         old_ray = int(served.ray_state()["pid"])
         with ApiaryClient(served.url, user="e2e") as client:
             job = client.submit(long_spec(dataset, "ray-kill"))
-            wait_for_step(client, job["id"], KILL_AFTER)
+            wait_for_step(client, job.id, KILL_AFTER)
             os.killpg(old_ray, signal.SIGKILL)  # the whole local Ray: GCS, raylet, driver, workers
-            job = client.wait(job["id"], timeout_s=400)
+            job = client.wait(job.id, timeout_s=400)
             assert_same_run(client, job, reference["ddp"])
-            assert (job["attempt"], job["failures"]) == (2, 1)
+            assert (job.attempt, job.failures) == (2, 1)
             assert int(served.ray_state()["pid"]) != old_ray
-            said = reasons(client, job["id"])
+            said = reasons(client, job.id)
             assert any("Ray has no record of the running job" in r for r in said), said
     finally:
         stop_serve(served)
@@ -217,15 +218,15 @@ def test_a_clean_stop_checkpoints_and_requeues_and_the_next_start_resumes(
     first = start_serve(data_dir=data_dir, database_url=postgres_url, log=tmp_path / "serve-1.log")
     with ApiaryClient(first.url, user="e2e") as client:
         job = client.submit(long_spec(dataset, "clean-stop"))
-        wait_for_step(client, job["id"], KILL_AFTER)
+        wait_for_step(client, job.id, KILL_AFTER)
     stop_serve(first)
     second = start_serve(data_dir=data_dir, database_url=postgres_url, log=tmp_path / "serve-2.log")
     try:
         with ApiaryClient(second.url, user="e2e") as client:
-            job = client.wait(job["id"], timeout_s=400)
+            job = client.wait(job.id, timeout_s=400)
             assert_same_run(client, job, reference["ddp"])
-            assert (job["attempt"], job["failures"], job["preemptions"]) == (2, 0, 0)
-            said = reasons(client, job["id"])
+            assert (job.attempt, job.failures, job.preemptions) == (2, 0, 0)
+            said = reasons(client, job.id)
             assert any("the service stopped; requeued in its place" in r for r in said), said
     finally:
         stop_serve(second)

@@ -8,7 +8,6 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +78,9 @@ def test_one_replica_schedules_and_the_other_takes_over_when_it_is_killed(
     follower = second if leader is first else first
 
     with ApiaryClient(follower.url, user="e2e") as client:  # any replica takes submissions
-        jobs = [client.submit({**spec, "name": f"replica-{i}"})["id"] for i in range(6)]
+        jobs = [client.submit({**spec, "name": f"replica-{i}"}).id for i in range(6)]
         wait_until(
-            lambda: sum(client.get(job)["state"] != "queued" for job in jobs) >= 2,
+            lambda: sum(client.get(job).state != "queued" for job in jobs) >= 2,
             timeout_s=120,
             what="the first admissions",
         )
@@ -96,7 +95,7 @@ def test_one_replica_schedules_and_the_other_takes_over_when_it_is_killed(
         takeover_s = time.monotonic() - killed_at
         assert new_holder and takeover_s < 15, takeover_s
         finished = [client.wait(job, timeout_s=300) for job in jobs]
-        assert all(job["state"] == "succeeded" for job in finished), [j["message"] for j in finished]
+        assert all(job.state == "succeeded" for job in finished), [j.message for j in finished]
         events = {job: client.events(job) for job in jobs}
 
     # Never admitted twice: a job is admitted again only after it went back to the queue, which
@@ -104,14 +103,14 @@ def test_one_replica_schedules_and_the_other_takes_over_when_it_is_killed(
     # no Ray job and requeues it). Only one attempt of each job ever runs.
     spans = []
     for job, job_events in events.items():
-        states = [(event["from_state"], event["to_state"]) for event in job_events]
+        states = [(event.from_state, event.to_state) for event in job_events]
         assert states.count(("admitted", "running")) == 1, (job, states)
         for i, event in enumerate(job_events):
-            if event["to_state"] != "admitted":
+            if event.to_state != "admitted":
                 continue
-            assert i == 0 or job_events[i - 1]["to_state"] == "queued", (job, states)
-            end = next(e for e in job_events[i + 1 :] if e["to_state"] in ("queued", "succeeded"))
-            spans.append((datetime.fromisoformat(event["at"]), datetime.fromisoformat(end["at"])))
+            assert i == 0 or job_events[i - 1].to_state == "queued", (job, states)
+            end = next(e for e in job_events[i + 1 :] if e.to_state in ("queued", "succeeded"))
+            spans.append((event.at, end.at))
     # Never over-committed: at every admission, at most CAPACITY jobs were admitted or running.
     for start, _ in spans:
         assert sum(1 for other_start, other_end in spans if other_start <= start < other_end) <= CAPACITY

@@ -44,12 +44,10 @@ def test_a_job_reads_s3_and_checkpoints_to_s3_through_the_service(
     try:
         with ApiaryClient(served.url, user="e2e") as client:
             job = client.submit(spec)
-            job = client.wait(job["id"], timeout_s=400)
-            assert job["state"] == "succeeded", job
-            assert job["latest_checkpoint_step"] == 6
-            assert (
-                job["latest_checkpoint"] == f"{s3.checkpoints_uri}/job-{job['id']}/{checkpoint_dir_name(6)}"
-            )
+            job = client.wait(job.id, timeout_s=400)
+            assert job.state == "succeeded", job
+            assert job.latest_checkpoint_step == 6
+            assert job.latest_checkpoint == f"{s3.checkpoints_uri}/job-{job.id}/{checkpoint_dir_name(6)}"
             # A missing S3 dataset is refused at submission (listed by the service), like a local one.
             with pytest.raises(ApiaryClientError) as refused:
                 client.submit({**spec, "dataset": {"uri": f"{s3.datasets_uri}/missing"}})
@@ -58,6 +56,6 @@ def test_a_job_reads_s3_and_checkpoints_to_s3_through_the_service(
         stop_serve(served)
     assert s3.env["AWS_SECRET_ACCESS_KEY"] not in served.log.read_text()
 
-    model = build_model_from_checkpoint(job["latest_checkpoint"], s3_endpoint_url=s3.endpoint_url)
+    model = build_model_from_checkpoint(job.latest_checkpoint, s3_endpoint_url=s3.endpoint_url)
     assert isinstance(model, GPT)
     assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 32)

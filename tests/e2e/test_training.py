@@ -8,13 +8,13 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 import pytest
 import torch
 
-from api.client import ApiaryClient
+from api.client import ApiaryClient, ApiaryNotFound
+from api.schemas import JobPublic
 from service.states import TERMINAL_STATES
 from tests.e2e.conftest import Served, mlp_spec, start_serve, stop_serve
 from tests.support.wait import wait_until
@@ -23,15 +23,13 @@ from trainers.checkpoint import build_model_from_checkpoint, load_checkpoint
 pytestmark = [pytest.mark.timeout(420)]
 
 
-def wait_for_state(client: ApiaryClient, job_id: int, state: str, timeout_s: float = 180) -> dict[str, Any]:
-    def reached() -> dict[str, Any] | None:
+def wait_for_state(client: ApiaryClient, job_id: int, state: str, timeout_s: float = 180) -> JobPublic:
+    def reached() -> JobPublic | None:
         job = client.get(job_id)
-        assert job["state"] not in TERMINAL_STATES - {state}, job
-        return job if job["state"] == state else None
+        assert job.state not in TERMINAL_STATES - {state}, job
+        return job if job.state == state else None
 
-    job: dict[str, Any] = wait_until(
-        reached, timeout_s=timeout_s, interval_s=0.5, what=f"job {job_id} {state}"
-    )
+    job: JobPublic = wait_until(reached, timeout_s=timeout_s, interval_s=0.5, what=f"job {job_id} {state}")
     return job
 
 
@@ -39,23 +37,21 @@ def test_a_two_worker_job_trains_to_a_checkpoint_that_loads(
     client: ApiaryClient, served: Served, dataset: str
 ) -> None:
     job = client.submit(mlp_spec(dataset))
-    job = client.wait(job["id"], timeout_s=300)
-    assert job["state"] == "succeeded", job
+    job = client.wait(job.id, timeout_s=300)
+    assert job.state == "succeeded", job
 
-    points = client.metrics(job["id"])
-    assert {p["rank"] for p in points} == {0, 1}
+    points = client.metrics(job.id)
+    assert {p.rank for p in points} == {0, 1}
     for rank in (0, 1):
-        steps = [p["step"] for p in points if p["rank"] == rank]
+        steps = [p.step for p in points if p.rank == rank]
         assert steps == list(range(1, 31)), f"rank {rank} reported steps {steps}"
-    first = [p["values"]["loss"] for p in points if p["step"] <= 5]
-    last = [p["values"]["loss"] for p in points if p["step"] > 25]
+    first = [p.values["loss"] for p in points if p.step <= 5]
+    last = [p.values["loss"] for p in points if p.step > 25]
     assert sum(last) / len(last) < 0.8 * sum(first) / len(first)
-    assert {"loss", "lr", "grad_norm", "samples_per_s", "step_time_s", "data_wait_s"} <= set(
-        points[0]["values"]
-    )
+    assert {"loss", "lr", "grad_norm", "samples_per_s", "step_time_s", "data_wait_s"} <= set(points[0].values)
 
-    assert job["latest_checkpoint_step"] == 30
-    checkpoint = Path(urlparse(job["latest_checkpoint"]).path)
+    assert job.latest_checkpoint_step == 30
+    checkpoint = Path(urlparse(job.latest_checkpoint).path)
     assert checkpoint.is_dir()
 
     state = load_checkpoint(checkpoint)
@@ -63,62 +59,68 @@ def test_a_two_worker_job_trains_to_a_checkpoint_that_loads(
     model = build_model_from_checkpoint(checkpoint)
     assert sum(p.numel() for p in model.parameters()) > 0
 
-    events = [e["to_state"] for e in client.events(job["id"])]
+    events = [e.to_state for e in client.events(job.id)]
     assert events[0] == "queued" and events[-1] == "succeeded"
     assert {"admitted", "running"} <= set(events)
 
     # Rank 0's progress lines: step 1, the last step, and one per trainers.loop.LOG_INTERVAL_S
-    # between (these 30 steps take a few seconds), not one per step.
-    logs = served.ray_jobs_api("GET", f"{job['ray_submission_id']}/logs")["logs"]
+    # between (these 30 steps take a few seconds), not one per step. Read through Apiary's logs
+    # route, which reads the Ray job's log (the driver's, with the ranks' lines forwarded into it).
+    logs = client.logs(job.id)
+    assert logs == served.ray_jobs_api("GET", f"{job.ray_submission_id}/logs")["logs"]
     progress = [line for line in logs.splitlines() if "trainers.loop INFO step " in line]
     assert "step 1/30 " in progress[0] and "step 30/30 " in progress[-1], progress
     assert len(progress) <= 4, progress
+    assert client.logs(job.id, attempt=1, tail=3) == "".join(logs.splitlines(keepends=True)[-3:])
+    assert "".join(client.follow_logs(job.id)) == logs  # the Ray job has ended: the stream ends too
+    with pytest.raises(ApiaryNotFound, match="no attempt 2"):
+        client.logs(job.id, attempt=2)
 
 
 def test_a_preempted_job_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_run_does(
     client: ApiaryClient, dataset: str
 ) -> None:
     spec = mlp_spec(dataset, name="e2e-whole", max_steps=150, checkpoint={"every_steps": 50})
-    whole = client.wait(client.submit(spec)["id"], timeout_s=300)
-    assert whole["state"] == "succeeded", whole
+    whole = client.wait(client.submit(spec).id, timeout_s=300)
+    assert whole.state == "succeeded", whole
 
     job = client.submit({**spec, "name": "e2e-preempted"})
-    wait_until(lambda: (client.get(job["id"])["latest_step"] or 0) >= 20, timeout_s=180, what="step 20")
-    assert client.preempt(job["id"])["state"] == "preempting"
-    job = client.wait(job["id"], timeout_s=300)  # checkpoints, goes back to the queue, is readmitted
-    assert job["state"] == "succeeded", job
-    assert (job["attempt"], job["preemptions"]) == (2, 1)
-    reasons = [event["reason"] for event in client.events(job["id"])]
+    wait_until(lambda: (client.get(job.id).latest_step or 0) >= 20, timeout_s=180, what="step 20")
+    assert client.preempt(job.id).state == "preempting"
+    job = client.wait(job.id, timeout_s=300)  # checkpoints, goes back to the queue, is readmitted
+    assert job.state == "succeeded", job
+    assert (job.attempt, job.preemptions) == (2, 1)
+    reasons = [event.reason for event in client.events(job.id)]
     assert "preempted by e2e" in reasons
     resumed = next(reason for reason in reasons if "resumes from its checkpoint at step" in reason)
     stopped_at = int(resumed.split("checkpoint at step ")[1].split()[0])
     assert 20 <= stopped_at < 150
 
     # The run that was stopped and resumed took exactly the steps of the one that was not.
-    points = client.metrics(job["id"], rank=0)
-    assert min(p["step"] for p in points if p["attempt"] == 2) == stopped_at + 1
-    whole_loss = {p["step"]: p["values"]["loss"] for p in client.metrics(whole["id"], rank=0)}
-    resumed_loss = {p["step"]: p["values"]["loss"] for p in points if p["attempt"] == 2}
+    points = client.metrics(job.id, rank=0)
+    assert min(p.step for p in points if p.attempt == 2) == stopped_at + 1
+    whole_loss = {p.step: p.values["loss"] for p in client.metrics(whole.id, rank=0)}
+    resumed_loss = {p.step: p.values["loss"] for p in points if p.attempt == 2}
     assert resumed_loss == {step: whole_loss[step] for step in resumed_loss}
-    final = build_model_from_checkpoint(urlparse(job["latest_checkpoint"]).path).state_dict()
-    reference = build_model_from_checkpoint(urlparse(whole["latest_checkpoint"]).path).state_dict()
+    final = build_model_from_checkpoint(urlparse(job.latest_checkpoint).path).state_dict()
+    reference = build_model_from_checkpoint(urlparse(whole.latest_checkpoint).path).state_dict()
     assert all(torch.equal(final[name], tensor) for name, tensor in reference.items())
 
 
 def test_cancel_stops_the_ray_job(client: ApiaryClient, served: Served, dataset: str) -> None:
     job = client.submit(mlp_spec(dataset, name="e2e-long", max_steps=1_000_000, checkpoint={}))
-    wait_for_state(client, job["id"], "running")
-    cancelled = client.cancel(job["id"])
-    assert cancelled["state"] == "cancelled"
+    wait_for_state(client, job.id, "running")
+    cancelled = client.cancel(job.id)
+    assert cancelled.state == "cancelled"
 
     wait_until(
-        lambda: served.ray_job_status(cancelled["ray_submission_id"]) == "STOPPED",
+        lambda: served.ray_job_status(cancelled.ray_submission_id) == "STOPPED",
         timeout_s=60,
         interval_s=0.5,
         what="the Ray job stopping",
     )
     time.sleep(2)  # a reconcile tick after the stop must not move the job
-    assert client.get(job["id"])["state"] == "cancelled"
+    assert client.get(job.id).state == "cancelled"
 
 
 def test_the_local_rays_workers_run_at_nice_0_without_the_preemption_watcher(served: Served) -> None:
@@ -148,9 +150,9 @@ def test_the_local_rays_workers_run_at_nice_0_without_the_preemption_watcher(ser
 def test_a_bad_dataset_fails_with_a_reason_a_user_can_act_on(client: ApiaryClient, dataset: str) -> None:
     # The data has `features`/`label`; the gpt trainer needs `tokens`.
     job = client.submit(mlp_spec(dataset, name="e2e-wrong-columns", trainer="gpt", config={"vocab_size": 16}))
-    job = client.wait(job["id"], timeout_s=180)
-    assert job["state"] == "failed"
-    assert "tokens" in job["message"], job["message"]
+    job = client.wait(job.id, timeout_s=180)
+    assert job.state == "failed"
+    assert "tokens" in job.message, job.message
 
 
 def test_a_clean_stop_of_serve_stops_its_local_ray(tmp_path: Path, postgres_url: str) -> None:

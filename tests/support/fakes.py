@@ -40,6 +40,9 @@ class FakeBackend:
     def job_logs(self, submission_id: str) -> str:
         return self.logs.get(submission_id, "")
 
+    def submissions(self, prefix: str) -> list[str]:
+        return [sid for sid in self.statuses if sid.startswith(prefix)]
+
     def stop(self, submission_id: str) -> None:
         self.stopped.append(submission_id)
         self.statuses[submission_id] = RayJobStatus.STOPPED

@@ -1,0 +1,387 @@
+"""The `apiary` commands that use a running server through the SDK: submit, jobs, queue, show, logs,
+watch, cancel, preempt.
+
+The server is `--url`, else APIARY_URL, else `url` in ~/.config/apiary/config.toml, else
+http://127.0.0.1:8000; a token (`--token`, APIARY_TOKEN or `token` there) is sent as a bearer token.
+Exit codes: 0 success; 1 the job failed or was cancelled, the server refused, or it cannot be
+reached; 2 bad input (a bad spec file names the field and its line). Read commands take `--json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import sys
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+import yaml
+from pydantic import BaseModel, ValidationError
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from api.client import ApiaryClient, ApiaryClientError, ApiaryInvalid, ClientConfig
+from api.schemas import JobPublic
+from service.errors import one_line
+from service.spec import JobSpec, field_line, parse_spec_text
+from service.states import TERMINAL_STATES, JobState
+
+console = Console(soft_wrap=True)
+errors = Console(stderr=True, soft_wrap=True)
+
+Url = Annotated[
+    str | None, typer.Option("--url", help="Apiary's URL [env APIARY_URL; default http://127.0.0.1:8000].")
+]
+Token = Annotated[str | None, typer.Option("--token", help="Bearer token [env APIARY_TOKEN].")]
+User = Annotated[
+    str | None, typer.Option("--user", help="Who you are to Apiary [env APIARY_USER; default: login name].")
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")]
+JobId = Annotated[int, typer.Argument(help="The job's id.")]
+
+
+def register(app: typer.Typer) -> None:
+    for command in (submit, jobs, queue, show, logs, watch, cancel, preempt):
+        app.command()(command)
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+
+
+def submit(
+    file: Annotated[Path, typer.Argument(help="The job spec (YAML or JSON).")],
+    watch_: Annotated[bool, typer.Option("--watch", help="Then watch it until it ends.")] = False,
+    url: Url = None,
+    token: Token = None,
+    user: User = None,
+    as_json: AsJson = False,
+) -> None:
+    """Queue the job in FILE. A spec Apiary refuses names the field and its line (exit 2)."""
+    text, spec = _read_spec(file)
+    with _client(url, token, user) as client:
+        try:
+            job = client.submit(spec)
+        except ApiaryInvalid as err:
+            line = field_line(text, _loc(err.field)) if err.field else None
+            where = f"{file}:{line}" if line else str(file)
+            field = f"{err.field}: " if err.field and not err.message.startswith(err.field) else ""
+            _fail(f"{where}: {field}{err.message}", code=2)
+        if as_json:
+            _print_json(job)
+        else:
+            console.print(f"submitted job [bold]{job.id}[/] ({escape(job.name)}) to {job.queue}: {job.state}")
+        if watch_:
+            raise typer.Exit(_watch(client, job.id, interval_s=1.0))
+
+
+def jobs(
+    state: Annotated[
+        list[str] | None, typer.Option("--state", help="Only jobs in this state (repeat for several).")
+    ] = None,
+    queue: Annotated[str | None, typer.Option("--queue", help="research or full-scale.")] = None,
+    mine: Annotated[bool, typer.Option("--mine", help="Only the jobs you own (--user).")] = False,
+    limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 50,
+    url: Url = None,
+    token: Token = None,
+    user: User = None,
+    as_json: AsJson = False,
+) -> None:
+    """List jobs, newest first."""
+    with _client(url, token, user) as client:
+        found: list[JobPublic] = []
+        me = _user(user)
+        for job in client.iter_jobs(state=state, queue=queue, page_size=min(limit, 500)):
+            if not mine or job.owner == me:
+                found.append(job)
+            if len(found) >= limit:
+                break
+    if as_json:
+        print(json.dumps({"data": [job.model_dump(mode="json") for job in found], "count": len(found)}))
+        return
+    table = Table(box=None)
+    for column in ("ID", "NAME", "QUEUE", "STATE", "OWNER", "PRI", "WORKERS", "STEP", "AGE"):
+        table.add_column(column, justify="right" if column in ("ID", "PRI", "WORKERS") else "left")
+    for job in found:
+        table.add_row(
+            str(job.id),
+            escape(job.name),
+            job.queue,
+            _state(job.state),
+            escape(job.owner),
+            str(job.priority),
+            str(job.spec.max_workers),
+            f"{job.latest_step or 0}/{job.spec.max_steps}",
+            _ago(job.created_at),
+        )
+    console.print(table if found else "no jobs")
+
+
+def queue(
+    url: Url = None,
+    token: Token = None,
+    user: User = None,
+    as_json: AsJson = False,
+) -> None:
+    """Both queues: their use of the cluster and their waiting jobs with position, reason and ETA."""
+    with _client(url, token, user) as client:
+        queues = client.queues()
+    if as_json:
+        print(json.dumps({"data": [q.model_dump(mode="json") for q in queues]}))
+        return
+    for view in queues:
+        counts = ", ".join(f"{n} {state}" for state, n in sorted(view.counts.items())) or "empty"
+        use = ", ".join(
+            f"{key} {amount:g}/{(view.share or {}).get(key, 0):g}"
+            for key, amount in sorted(view.in_use.items())
+        )
+        console.print(f"[bold]{view.name}[/]: {counts}" + (f"; in use/share: {use}" if use else ""))
+        if not view.jobs:
+            continue
+        table = Table(box=None)
+        for column in ("#", "ID", "NAME", "OWNER", "PRI", "ETA", "WAITING BECAUSE"):
+            table.add_column(column)
+        for job in view.jobs:
+            table.add_row(
+                str(job.position or ""),
+                str(job.id),
+                escape(job.name),
+                escape(job.owner),
+                str(job.priority),
+                _when(job.eta_at),
+                escape(job.reason or ""),
+            )
+        console.print(table)
+
+
+def show(
+    job_id: JobId, url: Url = None, token: Token = None, user: User = None, as_json: AsJson = False
+) -> None:
+    """A job: its state and progress, why it waits, its checkpoint, and its recent events."""
+    with _client(url, token, user) as client:
+        job = client.get(job_id)
+        events = client.events(job_id)
+    if as_json:
+        print(
+            json.dumps({**job.model_dump(mode="json"), "events": [e.model_dump(mode="json") for e in events]})
+        )
+        return
+    rows: list[tuple[str, str]] = [
+        ("job", f"{job.id} {escape(job.name)} (owner {escape(job.owner)})"),
+        ("state", _state(job.state) + (f": {escape(job.message)}" if job.message else "")),
+        ("queue", f"{job.queue}, priority {job.priority}"),
+        ("trainer", f"{job.spec.trainer} on {job.spec.max_workers} worker(s), {job.spec.strategy.value}"),
+        ("progress", f"step {job.latest_step or 0}/{job.spec.max_steps}, attempt {job.attempt}"),
+    ]
+    if job.state is JobState.QUEUED and job.queue_position is not None:
+        why = f": {escape(job.waiting_reason)}" if job.waiting_reason else ""
+        rows.append(("waiting", f"#{job.queue_position} in its queue, ETA {_when(job.eta_at)}{why}"))
+    if job.latest_checkpoint:
+        rows.append(("checkpoint", f"step {job.latest_checkpoint_step}: {job.latest_checkpoint}"))
+    rows.append(("failures", f"{job.failures} ({job.restarts} restarts), {job.preemptions} preemptions"))
+    rows.append(("created", _when(job.created_at)))
+    for key, value in rows:
+        console.print(f"[bold]{key:>10}[/]  {value}")
+    for event in events[-10:]:
+        moved = f"{event.from_state or '-'} -> {event.to_state}" if event.to_state else ""
+        console.print(f"  {_when(event.at)}  {event.actor}: {moved} {escape(event.reason)}")
+
+
+def logs(
+    job_id: JobId,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
+    attempt: Annotated[int | None, typer.Option(min=1, help="Which attempt [default: the latest].")] = None,
+    tail: Annotated[int | None, typer.Option(min=0, help="Only the last N lines.")] = None,
+    url: Url = None,
+    token: Token = None,
+    user: User = None,
+    as_json: AsJson = False,
+) -> None:
+    """The job's log: its driver's and every rank's output (from its Ray job)."""
+    with _client(url, token, user) as client:
+        if follow:
+            for chunk in client.follow_logs(job_id, attempt=attempt, tail=tail):
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+            return
+        text = client.logs(job_id, attempt=attempt, tail=tail)
+    if as_json:
+        print(json.dumps({"job": job_id, "attempt": attempt, "text": text}))
+    else:
+        sys.stdout.write(text)
+
+
+def watch(
+    job_id: JobId,
+    interval: Annotated[float, typer.Option(min=0.05, help="Seconds between updates.")] = 1.0,
+    url: Url = None,
+    token: Token = None,
+    user: User = None,
+) -> None:
+    """A live progress bar (step, samples/s, loss, ETA) until the job ends; exits 0 if it succeeded,
+    1 if it failed or was cancelled."""
+    with _client(url, token, user) as client:
+        raise typer.Exit(_watch(client, job_id, interval_s=interval))
+
+
+def cancel(
+    job_id: JobId, url: Url = None, token: Token = None, user: User = None, as_json: AsJson = False
+) -> None:
+    """Cancel a queued or running job (exit 1 if it already ended)."""
+    with _client(url, token, user) as client:
+        _done(client.cancel(job_id), as_json=as_json)
+
+
+def preempt(
+    job_id: JobId, url: Url = None, token: Token = None, user: User = None, as_json: AsJson = False
+) -> None:
+    """Checkpoint a running job and requeue it in its place (exit 1 unless it is running)."""
+    with _client(url, token, user) as client:
+        _done(client.preempt(job_id), as_json=as_json)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+@contextlib.contextmanager
+def _client(url: str | None, token: str | None, user: str | None) -> Iterator[ApiaryClient]:
+    """The SDK client; the server's refusals become one line and exit 1 (2 for bad input)."""
+    try:
+        with ApiaryClient(url, token=token, user=_user(user), retries=2) as client:
+            yield client
+    except ApiaryInvalid as err:
+        _fail(err.message, code=2)
+    except ApiaryClientError as err:
+        _fail(err.message, code=1)
+
+
+def _user(user: str | None) -> str:
+    found = ClientConfig.load(user=user).user
+    if found:
+        return found
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no login name (a container without a passwd entry)
+        return "anonymous"
+
+
+def _read_spec(file: Path) -> tuple[str, JobSpec]:
+    """The file's text and its spec; a bad one exits 2 naming the field and its line."""
+    try:
+        text = file.read_text()
+    except OSError as err:
+        _fail(f"cannot read {file}: {err.strerror or err}", code=2)
+    try:
+        data = parse_spec_text(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{file}:{mark.line + 1}" if mark is not None else str(file)
+        _fail(f"{where}: not valid YAML: {getattr(err, 'problem', None) or one_line(err)}", code=2)
+    except ValueError as err:
+        _fail(f"{file}: {err}", code=2)
+    try:
+        return text, JobSpec.model_validate(data)
+    except ValidationError as err:
+        lines = []
+        for error in err.errors():
+            field = ".".join(str(part) for part in error["loc"]) or "spec"
+            line = field_line(text, error["loc"])
+            lines.append(
+                f"{file}:{line}: {field}: {error['msg']}" if line else f"{file}: {field}: {error['msg']}"
+            )
+        _fail("\n".join(lines), code=2)
+
+
+def _loc(field: str) -> list[str | int]:
+    return [int(part) if part.isdigit() else part for part in field.split(".")]
+
+
+def _watch(client: ApiaryClient, job_id: int, *, interval_s: float) -> int:
+    job = client.get(job_id)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+        TextColumn("{task.fields[rate]}"),
+        TextColumn("{task.fields[loss]}"),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    with progress:
+        task = progress.add_task(
+            _progress_title(job), total=job.spec.max_steps, completed=job.latest_step or 0, rate="", loss=""
+        )
+        while True:
+            fields: dict[str, Any] = {}
+            if job.latest_step:
+                points = client.metrics(job_id, min_step=job.latest_step, limit=1024)
+                last = [p for p in points if p.step == points[-1].step] if points else []
+                if last:
+                    rate = sum(p.values.get("samples_per_s", 0.0) for p in last)
+                    loss = next((p.values["loss"] for p in last if p.rank == 0 and "loss" in p.values), None)
+                    fields["rate"] = f"{rate:,.0f} samples/s"
+                    fields["loss"] = f"loss {loss:.4f}" if loss is not None else ""
+            progress.update(task, description=_progress_title(job), completed=job.latest_step or 0, **fields)
+            if job.state in TERMINAL_STATES:
+                break
+            time.sleep(interval_s)
+            job = client.get(job_id)
+    outcome = f"job {job.id} {_state(job.state)}" + (f": {escape(job.message)}" if job.message else "")
+    console.print(outcome)
+    return 0 if job.state is JobState.SUCCEEDED else 1
+
+
+def _progress_title(job: JobPublic) -> str:
+    title = f"job {job.id} {escape(job.name)} {_state(job.state)}"
+    if job.state is JobState.QUEUED and job.queue_position:
+        title += f" #{job.queue_position}" + (f" (ETA {_when(job.eta_at)})" if job.eta_at else "")
+    return title
+
+
+def _done(job: JobPublic, *, as_json: bool) -> None:
+    if as_json:
+        _print_json(job)
+    else:
+        console.print(f"job {job.id}: {_state(job.state)}")
+
+
+def _print_json(model: BaseModel) -> None:
+    print(model.model_dump_json())
+
+
+_STATE_STYLE = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "running": "cyan"}
+
+
+def _state(state: JobState) -> str:
+    style = _STATE_STYLE.get(state.value)
+    return f"[{style}]{state.value}[/]" if style else state.value
+
+
+def _when(at: datetime | None) -> str:
+    if at is None:
+        return "-"
+    at = at if at.tzinfo else at.replace(tzinfo=UTC)
+    return at.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _ago(at: datetime) -> str:
+    at = at if at.tzinfo else at.replace(tzinfo=UTC)
+    seconds = (datetime.now(UTC) - at).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{max(seconds, 0):.0f}s"
+
+
+def _fail(message: str, *, code: int) -> NoReturn:
+    errors.print(f"[red]error:[/] {escape(message)}")
+    raise typer.Exit(code)

@@ -1,0 +1,50 @@
+"""A job's logs: the driver's and every rank's output, from its Ray job (service.logs)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from starlette.responses import Response
+
+from api.deps import JobsDep
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+FOLLOW_POLL_S = 1.0
+
+
+@router.get(
+    "/{job_id}/logs",
+    response_class=PlainTextResponse,
+    responses={
+        200: {"content": {"text/plain": {}}, "description": "The log (X-Apiary-Attempt: its attempt)."},
+        404: {"description": "No such job, attempt, or Ray has forgotten that attempt's logs."},
+        409: {"description": "The job has not started yet."},
+    },
+)
+def job_logs(
+    job_id: int,
+    jobs: JobsDep,
+    attempt: Annotated[
+        int | None, Query(ge=1, description="Which attempt (1 = the first); default the latest.")
+    ] = None,
+    tail: Annotated[int | None, Query(ge=0, description="Only the last N lines.")] = None,
+    follow: Annotated[
+        bool, Query(description="Stream the log as it grows (text/plain) until the Ray job ends.")
+    ] = False,
+) -> Response:
+    """The output of the job's Ray job: the driver's lines and every rank's (Ray prefixes those with
+    the worker's pid and address). A job resubmitted after a recovery or a preemption has one log
+    per attempt."""
+    source = jobs.log_source(job_id, attempt=attempt)
+    headers = {"X-Apiary-Attempt": str(source.attempt)}
+    if not follow:
+        return PlainTextResponse(jobs.read_logs(source, tail=tail), headers=headers)
+    jobs.read_logs(source, tail=0)  # a 404 while one can still be sent, not a broken stream
+    return StreamingResponse(
+        jobs.follow_logs(source, tail=tail, poll_s=FOLLOW_POLL_S),
+        media_type="text/plain; charset=utf-8",
+        headers=headers,
+    )

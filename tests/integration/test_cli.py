@@ -1,0 +1,211 @@
+"""The `apiary` commands that use a server (api/cli_jobs.py), through typer's CliRunner against the real
+app served over HTTP (SQLite, fake cluster): output, --json, and the exit codes 0, 1 and 2."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner, Result
+
+from api.cli import app
+from service.cluster import RayJobStatus, free_port
+from tests.integration.conftest import Service
+
+
+@pytest.fixture
+def database_url(tmp_path: Path) -> str:
+    """SQLite only: the CLI is under test here, not the database (tests/integration/test_api.py)."""
+    return f"sqlite:///{tmp_path / 'apiary.db'}"
+
+
+@pytest.fixture
+def spec(classification_dataset: str) -> dict[str, Any]:
+    return {
+        "name": "cli-test",
+        "trainer": "mlp",
+        "num_workers": 1,
+        "dataset": {"uri": classification_dataset},
+        "max_steps": 20,
+        "batch_size": 8,
+        "config": {"task": "classification", "num_classes": 3},
+    }
+
+
+@pytest.fixture
+def spec_file(tmp_path: Path, spec: dict[str, Any]) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def apiary(service: Service, tmp_path: Path) -> Any:
+    """Runs `apiary ARGS` against the service as user ada (no config file of this machine's)."""
+    env = {
+        "APIARY_URL": str(service.http.base_url),
+        "APIARY_USER": "ada",
+        "APIARY_TOKEN": None,
+        "APIARY_CONFIG": str(tmp_path / "no-config.toml"),
+        "COLUMNS": "200",
+    }
+
+    def run(*args: str, **extra_env: str) -> Result:
+        return CliRunner().invoke(app, list(args), env={**env, **extra_env})
+
+    return run
+
+
+def run_job(
+    service: Service, job_id: int, *, outcome: RayJobStatus, delay_s: float = 0.5
+) -> threading.Thread:
+    """In the background: admit the job, run it (steps reported by rank 0), end it with `outcome`."""
+
+    def advance() -> None:
+        time.sleep(delay_s)
+        service.tick()
+        submission_id = service.backend.submission_of(job_id)
+        service.backend.statuses[submission_id] = RayJobStatus.RUNNING
+        service.tick()
+        for step in (5, 10):
+            point = {
+                "step": step,
+                "rank": 0,
+                "time": time.time(),
+                "values": {"loss": 1 / step, "samples_per_s": 80},
+            }
+            service.http.post(f"/internal/jobs/{job_id}/telemetry", json={"attempt": 1, "points": [point]})
+            time.sleep(delay_s)
+        service.backend.statuses[submission_id] = outcome
+        service.tick()
+
+    thread = threading.Thread(target=advance)
+    thread.start()
+    return thread
+
+
+def test_submit_then_list_show_and_queue(apiary: Any, spec_file: Path, service: Service) -> None:
+    submitted = apiary("submit", str(spec_file))
+    assert submitted.exit_code == 0, submitted.output
+    assert "submitted job 1 (cli-test) to research: queued" in submitted.output
+    as_json = apiary("submit", str(spec_file), "--json")
+    assert as_json.exit_code == 0 and json.loads(as_json.stdout)["id"] == 2
+
+    listed = apiary("jobs")
+    assert listed.exit_code == 0 and "cli-test" in listed.output and "queued" in listed.output
+    rows = json.loads(apiary("jobs", "--json").stdout)
+    assert [job["id"] for job in rows["data"]] == [2, 1] and rows["count"] == 2
+    assert apiary("cancel", "1").exit_code == 0
+    assert [j["id"] for j in json.loads(apiary("jobs", "--json", "--state", "cancelled").stdout)["data"]] == [
+        1
+    ]
+    assert json.loads(apiary("jobs", "--json", "--mine").stdout)["count"] == 2
+    assert json.loads(apiary("jobs", "--json", "--mine", APIARY_USER="bob").stdout)["count"] == 0
+    assert apiary("jobs", "--state", "sleeping").exit_code == 2
+
+    shown = apiary("show", "2")
+    assert shown.exit_code == 0 and "2 cli-test (owner ada)" in shown.output and "queued" in shown.output
+    detail = json.loads(apiary("show", "2", "--json").stdout)
+    assert detail["state"] == "queued" and detail["events"][0]["to_state"] == "queued"
+
+    queue = apiary("queue")
+    assert queue.exit_code == 0 and "research" in queue.output and "full-scale" in queue.output
+    assert "cli-test" in queue.output
+    queues = json.loads(apiary("queue", "--json").stdout)["data"]
+    research = next(q for q in queues if q["name"] == "research")
+    assert [job["id"] for job in research["jobs"]] == [2]
+
+
+def test_refusals_exit_1_with_the_servers_message(apiary: Any, spec_file: Path) -> None:
+    missing = apiary("show", "99")
+    assert (missing.exit_code, missing.stderr.strip()) == (1, "error: job 99 does not exist")
+    apiary("submit", str(spec_file))
+    preempt = apiary("preempt", "1")
+    assert preempt.exit_code == 1 and "only a running job can be preempted" in preempt.stderr
+    assert apiary("cancel", "1", "--json").exit_code == 0
+    again = apiary("cancel", "1")
+    assert again.exit_code == 1 and "already cancelled" in again.stderr
+    never = apiary("logs", "1")
+    assert never.exit_code == 1 and "has not started yet" in never.stderr
+
+
+def test_a_server_that_is_not_there_is_one_line_and_exit_1(apiary: Any) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    for args in (["jobs"], ["show", "1"], ["logs", "1", "-f"], ["queue", "--json"]):
+        result = apiary(*args, "--url", url)
+        assert result.exit_code == 1, (args, result.output)
+        assert result.stderr.startswith(f"error: cannot reach Apiary at {url}")
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_a_bad_spec_names_the_field_and_its_line_and_exits_2(
+    apiary: Any, spec: dict[str, Any], tmp_path: Path
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**spec, "max_steps": 0, "batch_size": "many"}, sort_keys=False))
+    lines = path.read_text().splitlines()
+    result = apiary("submit", str(path))
+    assert result.exit_code == 2
+    assert (
+        f"{path}:{lines.index('max_steps: 0') + 1}: max_steps: Input should be greater than" in result.stderr
+    )
+    assert f"{path}:{lines.index('batch_size: many') + 1}: batch_size:" in result.stderr
+
+    # Refused by the service (the schema is fine): the field it names, on its line.
+    path.write_text(yaml.safe_dump({**spec, "dataset": {"uri": "file:///no/such/folder"}}, sort_keys=False))
+    uri_line = next(i for i, line in enumerate(path.read_text().splitlines(), 1) if "uri:" in line)
+    refused = apiary("submit", str(path))
+    assert refused.exit_code == 2 and refused.stderr.startswith(f"error: {path}:{uri_line}: dataset.uri: ")
+
+    path.write_text("name: x\nmax_steps: [1,\n")
+    broken = apiary("submit", str(path))
+    assert broken.exit_code == 2 and f"{path}:3: not valid YAML" in broken.stderr
+    assert apiary("submit", str(tmp_path / "missing.yaml")).exit_code == 2
+    assert "Traceback" not in result.output + refused.output + broken.output
+
+
+def test_watch_exits_with_the_jobs_outcome(apiary: Any, spec_file: Path, service: Service) -> None:
+    first = json.loads(apiary("submit", str(spec_file), "--json").stdout)["id"]
+    runner = run_job(service, first, outcome=RayJobStatus.SUCCEEDED)
+    watched = apiary("watch", str(first), "--interval", "0.1")
+    runner.join()
+    assert watched.exit_code == 0, watched.output
+    assert (
+        "step 10/20" in watched.output
+        and "loss 0.1000" in watched.output
+        and "80 samples/s" in watched.output
+    )
+    assert f"job {first} succeeded" in watched.output
+
+    second = json.loads(apiary("submit", str(spec_file), "--json").stdout)["id"]
+    runner = run_job(service, second, outcome=RayJobStatus.FAILED)
+    failed = apiary("watch", str(second), "--interval", "0.1")
+    runner.join()
+    assert failed.exit_code == 1 and f"job {second} failed" in failed.output
+
+
+def test_submit_watch_and_logs(apiary: Any, spec_file: Path, service: Service) -> None:
+    runner = run_job(service, 1, outcome=RayJobStatus.SUCCEEDED, delay_s=1.0)
+    submitted = apiary("submit", str(spec_file), "--watch")
+    runner.join()
+    assert submitted.exit_code == 0 and "job 1 succeeded" in submitted.output
+
+    service.backend.logs[service.backend.submission_of(1)] = "driver\n(RayTrainWorker pid=3) rank 0 says hi\n"
+    logs = apiary("logs", "1")
+    assert (logs.exit_code, logs.stdout) == (0, "driver\n(RayTrainWorker pid=3) rank 0 says hi\n")
+    assert apiary("logs", "1", "--tail", "1").stdout == "(RayTrainWorker pid=3) rank 0 says hi\n"
+    assert apiary("logs", "1", "-f").stdout == logs.stdout  # the Ray job has ended: so does -f
+    assert json.loads(apiary("logs", "1", "--json").stdout)["text"] == logs.stdout
+    assert apiary("logs", "1", "--attempt", "2").exit_code == 1
+
+
+def test_the_config_file_gives_the_url(apiary: Any, service: Service, tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(f'url = "{service.http.base_url}"\ntoken = "t0ken"\n')
+    result = apiary("jobs", "--json", APIARY_URL="", APIARY_CONFIG=str(config))
+    assert result.exit_code == 0 and json.loads(result.stdout)["count"] == 0
