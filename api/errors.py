@@ -9,7 +9,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from service.errors import ApiaryError, ClusterUnavailable, InvalidSpec, InvalidTransition, JobNotFound
+from service.errors import (
+    ApiaryError,
+    ClusterUnavailable,
+    IdempotencyKeyReused,
+    InvalidSpec,
+    InvalidTransition,
+    JobNotFound,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +24,7 @@ STATUS: dict[type[ApiaryError], int] = {
     JobNotFound: 404,
     InvalidSpec: 422,
     InvalidTransition: 409,
+    IdempotencyKeyReused: 409,
     ClusterUnavailable: 503,
 }
 

@@ -36,6 +36,10 @@ class InvalidTransition(ApiaryError):
     """The job cannot move to that state from where it is."""
 
 
+class IdempotencyKeyReused(ApiaryError):
+    """This Idempotency-Key was already used for a different request: use a new key for a new job."""
+
+
 class ClusterUnavailable(ApiaryError):
     """The Ray cluster cannot be reached right now; try again shortly."""
 
