@@ -1,25 +1,26 @@
 """API load: 1,000 concurrent job submissions as an SDK sends them (retries, `Idempotency-Key`), each
 persisted exactly once, on SQLite and on PostgreSQL.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/api_load.py        # ~1-2 minutes here; needs PostgreSQL
+    PYTHONPATH=. .venv/bin/python benchmarks/api_load.py        # ~2-3 minutes here; needs PostgreSQL
 
 For each database (SQLite: a new file; PostgreSQL: a fresh database, dropped after):
 1. the service runs in its own process (`api_load.py serve`: uvicorn on a free port, the real app and
    scheduler loop, a fake cluster of 4 CPUs that runs what it admits: Ray is not measured), so the
    client's event loop does not share its interpreter;
-2. `--jobs` logical submissions start at once (asyncio, raw httpx, one connection each), each with
-   its own `Idempotency-Key` and spec. As an SDK does, a request that times out, cannot connect or
-   gets a 5xx is sent again with the same key (backoff 0.1 s x 2^n, at most 6 tries). On purpose:
-   `--repeat` of them are sent twice at the same time (the same key and body from two clients), and
-   `--timeout-retry` of them first go out with a 5 ms read timeout, so the client gives up while the
-   server still works, then retry;
+2. `--jobs` logical submissions start at once (asyncio, raw httpx, one connection each; at most
+   `--concurrency` in flight if given), each with its own `Idempotency-Key` and spec. As an SDK
+   does, a request that times out, cannot connect or gets a 5xx is sent again with the same key
+   (backoff 0.1 s x 2^n, at most 6 tries). On purpose: `--repeat` of them are sent twice at the same
+   time (the same key and body from two clients), and `--timeout-retry` of them first go out with a
+   5 ms read timeout, so the client gives up while the server still works, then retry;
 3. the check: every logical submission got one job id from all its answers, and the database holds
    exactly one job per submission (counted by name, which is unique per submission) and one
    idempotency key per submission, pointing at that job.
 
 Printed: submissions/s (logical submissions over the wall time from the first request to the last
 answer), and p50/p99 latency of a submission as its caller sees it (first send to the final answer,
-retries included) and of one HTTP request that got an answer.
+retries included) and of one HTTP request that got an answer. With every submission in flight at
+once, the latency is mostly waiting in the server's queue (about jobs / throughput at worst).
 
 PostgreSQL: `APIARY_BENCH_PG_URL` (default postgresql+psycopg://postgres@127.0.0.1:5432/postgres).
 """
@@ -37,7 +38,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,6 +156,7 @@ class Outcome:
 class Load:
     requests_s: list[float] = field(default_factory=list)  # each HTTP request that got an answer
     client_timeouts: int = 0
+    transport_errors: dict[str, int] = field(default_factory=dict)  # other than timeouts, by class
     server_errors: int = 0
 
 
@@ -182,6 +184,8 @@ async def submit(
             load.client_timeouts += 1
         except httpx.TransportError as err:
             outcome.error = f"{type(err).__name__}: {err}"
+            kind = type(err).__name__
+            load.transport_errors[kind] = load.transport_errors.get(kind, 0) + 1
         else:
             load.requests_s.append(time.perf_counter() - sent)
             if response.status_code in (200, 201):
@@ -199,7 +203,7 @@ async def submit(
 
 
 async def run_load(
-    url: str, *, specs: list[dict[str, Any]], repeated: set[int], timed_out: set[int]
+    url: str, *, specs: list[dict[str, Any]], repeated: set[int], timed_out: set[int], concurrency: int | None
 ) -> tuple[list[Outcome], Load, float]:
     outcomes = [Outcome(index) for index in range(len(specs))]
     load = Load()
@@ -230,8 +234,14 @@ async def run_load(
             for index in sorted(repeated)
         ]
         random.Random(3).shuffle(tasks)
+        gate = asyncio.Semaphore(concurrency or len(tasks))
+
+        async def gated(task: Coroutine[Any, Any, None]) -> None:
+            async with gate:
+                await task
+
         started = time.perf_counter()
-        await asyncio.gather(*tasks)
+        await asyncio.gather(*(gated(task) for task in tasks))
         wall_s = time.perf_counter() - started
     return outcomes, load, wall_s
 
@@ -314,7 +324,7 @@ def bench(name: str, database_url: str, *, workdir: Path, dataset_uri: str, args
     repeated, timed_out = set(chosen[: args.repeat]), set(chosen[args.repeat :])
     with served(database_url, workdir=workdir) as url:
         outcomes, load, wall_s = asyncio.run(
-            run_load(url, specs=specs, repeated=repeated, timed_out=timed_out)
+            run_load(url, specs=specs, repeated=repeated, timed_out=timed_out, concurrency=args.concurrency)
         )
     problems = check_persisted_once(database_url, outcomes)
     latencies = [o.latency_s for o in outcomes]
@@ -322,7 +332,8 @@ def bench(name: str, database_url: str, *, workdir: Path, dataset_uri: str, args
     print(
         f"{name}: {args.jobs} submissions ({args.repeat} sent twice at once, {args.timeout_retry} first "
         f"timed out by the client), {len(load.requests_s)} answered requests, {load.client_timeouts} client "
-        f"timeouts, {load.server_errors} 5xx, {replayed} replays (200)"
+        f"timeouts, {load.server_errors} 5xx, other transport errors {load.transport_errors or 'none'}, "
+        f"{replayed} replays (200)"
     )
     ms = {
         "p50": percentile(latencies, 0.5) * 1000,
@@ -377,6 +388,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=100, help="of them, sent twice at the same time")
     parser.add_argument(
         "--timeout-retry", type=int, default=50, help="of them, first timed out by the client"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="at most this many submissions in flight (default: all at once); a latency not made of queueing",
     )
     parser.add_argument("--databases", default="sqlite,postgresql")
     args = parser.parse_args()
