@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from service.errors import (
     ApiaryError,
     ClusterUnavailable,
+    IdempotencyKeyReused,
     InvalidSpec,
     InvalidTransition,
     JobNotFound,
@@ -25,6 +26,7 @@ STATUS: dict[type[ApiaryError], int] = {
     JobNotFound: 404,
     InvalidSpec: 422,
     InvalidTransition: 409,
+    IdempotencyKeyReused: 409,
     ClusterUnavailable: 503,
     JobNotStarted: 409,
     LogsNotFound: 404,

@@ -37,10 +37,12 @@ from sqlalchemy import create_engine, insert, text  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
 from api.app import create_app  # noqa: E402
-from service.cluster import RayJobInfo, RayJobStatus  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from fake_cluster import FakeCluster  # noqa: E402
+
 from service.db import Database  # noqa: E402
 from service.models import Job  # noqa: E402
-from service.policy import ClusterSnapshot, NodeCapacity  # noqa: E402
 from service.runtime import Runtime  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.spec import JobSpec  # noqa: E402
@@ -50,26 +52,6 @@ PG_ADMIN_URL = os.environ.get("APIARY_BENCH_PG_URL", "postgresql+psycopg://postg
 JOBS, QUEUED, RUNNING = 10_000, 4_000, 100
 GOAL_MS = 100.0
 PATHS = {"/ (first page)": "/", "/queues": "/queues", "/jobs?limit=100": "/jobs?limit=100"}
-
-
-class FakeCluster:
-    """A cluster that is not under test: 64 nodes of 32 CPUs and 8 GPUs; every job runs."""
-
-    def snapshot(self) -> ClusterSnapshot:
-        node = {"CPU": 32.0, "GPU": 8.0}
-        return ClusterSnapshot(nodes=tuple(NodeCapacity(node_id=f"n{i}", resources=node) for i in range(64)))
-
-    def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
-        pass
-
-    def job_info(self, submission_id: str) -> RayJobInfo:
-        return RayJobInfo(status=RayJobStatus.RUNNING)
-
-    def job_logs(self, submission_id: str) -> str:
-        return ""
-
-    def stop(self, submission_id: str) -> None:
-        pass
 
 
 def store_jobs(db: Database) -> None:
@@ -149,7 +131,9 @@ def bench(database_url: str, *, workdir: Path, repeats: int) -> dict[str, float]
     print(f"  stored {JOBS} jobs in {time.perf_counter() - started:.1f} s", flush=True)
     db.dispose()
     settings = Settings(data_dir=workdir / "data", database_url=database_url)
-    runtime = Runtime(settings, backend=FakeCluster(), run_scheduler=False)
+    runtime = Runtime(
+        settings, backend=FakeCluster(nodes=64, node={"CPU": 32.0, "GPU": 8.0}), run_scheduler=False
+    )
     figures = {}
     with TestClient(create_app(runtime=runtime)) as client:
         for label, path in PATHS.items():

@@ -31,7 +31,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -45,10 +44,14 @@ from sqlalchemy.engine import make_url  # noqa: E402
 from api.app import create_app  # noqa: E402
 from api.demo import token_table, write_shards  # noqa: E402
 from api.server import BackgroundServer  # noqa: E402
-from service.cluster import RayJobInfo, RayJobStatus, free_port  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from fake_cluster import FakeCluster  # noqa: E402
+
+from service.cluster import RayJobStatus, free_port  # noqa: E402
 from service.db import Database  # noqa: E402
 from service.models import Job  # noqa: E402
-from service.policy import ClusterSnapshot, Gang, NodeCapacity, decide, decide_fifo  # noqa: E402
+from service.policy import Gang, decide, decide_fifo  # noqa: E402
 from service.runtime import Runtime  # noqa: E402
 from service.scheduler import Scheduler  # noqa: E402
 from service.settings import Settings  # noqa: E402
@@ -59,35 +62,6 @@ PG_ADMIN_URL = os.environ.get("APIARY_BENCH_PG_URL", "postgresql+psycopg://postg
 NODES, NODE = 64, {"CPU": 32.0, "GPU": 8.0}
 QUEUED, RUNNING = 10_000, 500
 GOAL_DECIDE_MS = 50.0
-
-
-@dataclass
-class FakeCluster:
-    """A cluster that is not under test: fixed nodes, every submitted job RUNNING at once."""
-
-    nodes: int = NODES
-    node: dict[str, float] = field(default_factory=lambda: dict(NODE))
-    statuses: dict[str, RayJobStatus] = field(default_factory=dict)
-
-    def snapshot(self) -> ClusterSnapshot:
-        return ClusterSnapshot(
-            nodes=tuple(NodeCapacity(node_id=f"n{i}", resources=self.node) for i in range(self.nodes))
-        )
-
-    def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
-        self.statuses[submission_id] = RayJobStatus.RUNNING
-
-    def job_info(self, submission_id: str) -> RayJobInfo:
-        return RayJobInfo(status=self.statuses.get(submission_id, RayJobStatus.RUNNING))
-
-    def job_logs(self, submission_id: str) -> str:
-        return ""
-
-    def submissions(self, prefix: str) -> list[str]:
-        return [sid for sid in self.statuses if sid.startswith(prefix)]
-
-    def stop(self, submission_id: str) -> None:
-        self.statuses[submission_id] = RayJobStatus.STOPPED
 
 
 def spec_json(rng: random.Random, *, dataset_uri: str, running: bool) -> dict[str, object]:
@@ -142,7 +116,7 @@ def bench_decide(repeats: int) -> tuple[float, float]:
         for i in range(QUEUED)
     ]
     usage = {f"u{k}": rng.uniform(0, 5000) for k in range(50)}
-    cluster = FakeCluster().snapshot()
+    cluster = FakeCluster(nodes=NODES, node=dict(NODE)).snapshot()
 
     def timed(run: Callable[[], object]) -> float:
         times = []
@@ -182,7 +156,7 @@ def bench_tick(database_url: str, *, workdir: Path, dataset_uri: str, ticks: int
     rng = random.Random(1)
     db = Database(database_url)
     db.upgrade()
-    cluster = FakeCluster()
+    cluster = FakeCluster(nodes=NODES, node=dict(NODE))
     now = datetime.now(UTC)
     rows = []
     for index in range(QUEUED + RUNNING):
@@ -233,7 +207,7 @@ def bench_admission(database_url: str, *, workdir: Path, dataset_uri: str, jobs:
         data_dir=workdir / f"admit-{port}", database_url=database_url, port=port, scheduler_interval_s=0.05
     )
     # Room for every job at once: admission is what is measured.
-    cluster = FakeCluster(node={key: amount * 64 for key, amount in NODE.items()})
+    cluster = FakeCluster(nodes=NODES, node={key: amount * 64 for key, amount in NODE.items()})
     runtime = Runtime(settings, backend=cluster)
     server = BackgroundServer(create_app(runtime=runtime), host="127.0.0.1", port=port)
     server.start()

@@ -44,6 +44,10 @@ class LogsNotFound(ApiaryError):
     """Ray has no logs for that attempt of the job."""
 
 
+class IdempotencyKeyReused(ApiaryError):
+    """This Idempotency-Key was already used for a different request: use a new key for a new job."""
+
+
 class ClusterUnavailable(ApiaryError):
     """The Ray cluster cannot be reached right now; try again shortly."""
 

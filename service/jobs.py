@@ -1,20 +1,41 @@
 """What the API asks of the domain: submit, cancel, preempt, look up, see the queues, and take trainer
-telemetry."""
+telemetry.
+
+Idempotent submission (`submit_idempotent`): a request with an `Idempotency-Key` stores the key, per
+owner, with a hash of its spec, in the same transaction as the job it creates. A repeat of the key
+within `Settings.idempotency_key_ttl_s` gets that job back (`replayed`) if its spec is the same, and
+`IdempotencyKeyReused` if not. Two requests racing with one key both try to insert it: the key's
+primary key lets one commit, the other's transaction (its job with it) rolls back and it answers with
+the winner's job. So a job is persisted once per key, whatever the retries.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from service import logs, repository
 from service.cluster import ClusterBackend, stop_job
 from service.db import Database
-from service.errors import ClusterUnavailable, InvalidSpec, InvalidTransition, Unschedulable
-from service.models import Checkpoint, Job, JobEvent, Metric
+from service.errors import (
+    ClusterUnavailable,
+    IdempotencyKeyReused,
+    InvalidSpec,
+    InvalidTransition,
+    Unschedulable,
+)
+from service.models import Checkpoint, IdempotencyKey, Job, JobEvent, Metric, utcnow
+from service.observability import Gauges, Metrics, RunningJob
 from service.policy import ClusterSnapshot, Gang, capacity_text, fits_empty_cluster
 from service.protocol import GROUP_STARTED, TelemetryBatch, TelemetryReply
 from service.queues import QueueConfig
@@ -37,6 +58,15 @@ class QueueView:
     borrowed: dict[str, float]
     counts: dict[str, int]  # state -> jobs
     line: list[Job]  # queued jobs in order, the first `limit`
+
+
+@dataclass(frozen=True, kw_only=True)
+class Submission:
+    """What `POST /jobs` made of a request: its job, and whether an earlier request with the same
+    Idempotency-Key created it (`replayed`: nothing was written this time)."""
+
+    job: Job
+    replayed: bool
 
 
 def _resumed_from(batch: TelemetryBatch) -> int | None:
@@ -65,25 +95,97 @@ def gang_for(
     )
 
 
+def request_hash(spec: JobSpec) -> str:
+    """What identifies a submission's body: the sha256 of its spec as canonical JSON (so the same spec
+    sent with its keys in another order, or a default written out, is the same request)."""
+    canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def in_use_by_queue(jobs: Iterable[Job], *, data_cpus: float) -> dict[str, dict[str, float]]:
+    """queue -> resource -> what `jobs` (the active ones) hold, with their data-loading CPUs."""
+    in_use: dict[str, dict[str, float]] = {queue.value: {} for queue in Queue}
+    for job in jobs:
+        gang = gang_for(job.id, JobSpec.model_validate(job.spec), data_cpus=data_cpus)
+        held = in_use.setdefault(job.queue, {})
+        for key, amount in gang.totals.items():
+            held[key] = held.get(key, 0.0) + amount
+    return in_use
+
+
 @dataclass(kw_only=True)
 class JobService:
     db: Database
     backend: ClusterBackend
     settings: Settings
+    metrics: Metrics = field(default_factory=Metrics)
 
     def submit(self, spec: JobSpec, *, owner: str) -> Job:
         """Check that the job can run, then queue it. A refused job writes nothing.
 
         The stored spec is what runs: a job without `max_runtime_s` gets its queue's default.
         """
+        return self.submit_idempotent(spec, owner=owner, key=None).job
+
+    def submit_idempotent(self, spec: JobSpec, *, owner: str, key: str | None) -> Submission:
+        """`submit`, once per `key` (see the module docstring); `key=None` always creates a job.
+
+        A replay answers with the job as it is now, without checking the spec again (its dataset
+        may have moved since: the job exists, and the first request was the one checked)."""
+        digest = request_hash(spec)
+        if key is not None:
+            with self.db.session() as session:
+                found = repository.find_idempotency_key(
+                    session, owner=owner, key=key, since=self._keys_expire_before()
+                )
+                if found is not None:
+                    return self._replay(session, found, digest)
         spec = self._apply_queue(spec)
         self._check_trainer(spec)
         list_shards(
             spec.dataset.uri, data_format=spec.dataset.format, s3_endpoint_url=self.settings.s3_endpoint_url
         )
         self._check_fits(spec)
-        with self.db.session() as session:
-            return repository.create_job(session, spec=spec, owner=owner)
+        try:
+            with self.db.session() as session:
+                job = repository.create_job(session, spec=spec, owner=owner)
+                if key is not None:
+                    repository.add_idempotency_key(
+                        session,
+                        owner=owner,
+                        key=key,
+                        request_hash=digest,
+                        job_id=job.id,
+                        expired_before=self._keys_expire_before(),
+                    )
+                return Submission(job=job, replayed=False)
+        except IntegrityError:
+            if key is None:
+                raise
+            # A concurrent request with this key committed first: its job is the one.
+            with self.db.session() as session:
+                found = repository.find_idempotency_key(
+                    session, owner=owner, key=key, since=self._keys_expire_before()
+                )
+                if found is None:
+                    raise
+                logger.info(
+                    "a concurrent submission with the same idempotency key won; answering with its job",
+                    extra={"action": "idempotent_race", "job": {"id": found.job_id}},
+                )
+                return self._replay(session, found, digest)
+
+    def _replay(self, session: Session, found: IdempotencyKey, digest: str) -> Submission:
+        if found.request_hash != digest:
+            raise IdempotencyKeyReused(
+                f"Idempotency-Key {found.key!r} was used for a different job spec (job {found.job_id}) "
+                f"within the last {self.settings.idempotency_key_ttl_s:g} s: send the same spec to get "
+                "that job, or use a new key for a new job"
+            )
+        return Submission(job=repository.get_job(session, found.job_id), replayed=True)
+
+    def _keys_expire_before(self) -> datetime:
+        return utcnow() - timedelta(seconds=self.settings.idempotency_key_ttl_s)
 
     def cancel(self, job_id: int, *, actor: str = "user") -> Job:
         with self.db.session() as session:
@@ -106,9 +208,11 @@ class JobService:
                 raise InvalidTransition(
                     f"job {job_id} is {job.state.value}: only a running job can be preempted"
                 )
-            return repository.request_stop(
+            job = repository.request_stop(
                 session, job, why=StopReason.USER, actor=actor, reason=f"preempted by {actor}"
             )
+        self.metrics.job_preempted(queue=job.queue, by="user")
+        return job
 
     def ingest(self, job_id: int, batch: TelemetryBatch) -> TelemetryReply:
         """Store a trainer rank's telemetry (its metric points, maybe a saved checkpoint); the reply
@@ -117,10 +221,12 @@ class JobService:
             # Locked: two ranks' first posts after a restart must count it once.
             job = repository.get_job(session, job_id, for_update=True)
             current = batch.attempt == job.attempt
+            restarts = job.restarts
             if current:
                 repository.note_segment(
                     session, job, segment=batch.segment, resumed_from=_resumed_from(batch)
                 )
+            restarted = job.restarts > restarts
             current = current and batch.segment >= (job.segment or 0)
             stored = repository.add_metrics(
                 session,
@@ -152,7 +258,10 @@ class JobService:
             # A rank of an attempt that was given up (its driver died, the job was resubmitted) may
             # outlive it for a while: it must not go on writing checkpoints beside the new attempt.
             superseded = batch.attempt < job.attempt or job.state.is_terminal
-            return TelemetryReply(stored=stored, stop=stop, superseded=superseded)
+        self.metrics.points_ingested(stored)
+        if restarted:
+            self.metrics.job_restarted(queue=job.queue)
+        return TelemetryReply(stored=stored, stop=stop, superseded=superseded)
 
     def queues(self, *, limit: int = 100, offset: int = 0) -> list[QueueView]:
         try:
@@ -165,13 +274,9 @@ class JobService:
                 totals[key] = totals.get(key, 0.0) + amount
         with self.db.session() as session:
             counts = repository.count_unfinished(session)
-            in_use: dict[str, dict[str, float]] = {queue.value: {} for queue in Queue}
-            for job in repository.active_jobs(session):
-                gang = gang_for(
-                    job.id, JobSpec.model_validate(job.spec), data_cpus=self.settings.data_cpus_per_job
-                )
-                for key, amount in gang.totals.items():
-                    in_use[job.queue][key] = in_use[job.queue].get(key, 0.0) + amount
+            in_use = in_use_by_queue(
+                repository.active_jobs(session), data_cpus=self.settings.data_cpus_per_job
+            )
             views = []
             for queue in Queue:
                 config = self.settings.queues.of(queue)
@@ -196,6 +301,39 @@ class JobService:
                     )
                 )
             return views
+
+    def gauges(self) -> Gauges:
+        """What `GET /metrics` reads of the database at each scrape: grouped counts and the active jobs
+        (bounded by the cluster), never the metric points."""
+        with self.db.session() as session:
+            counts = repository.count_jobs(session)
+            active = repository.active_jobs(session)
+        workers: dict[str, int] = {}
+        running = []
+        for job in active:
+            if job.state not in (JobState.RUNNING, JobState.PREEMPTING):
+                continue
+            spec = JobSpec.model_validate(job.spec)
+            # An elastic job runs as many workers as report; before any report, its min gang.
+            num_workers = len(job.ranks) if job.ranks else spec.min_workers
+            workers[job.queue] = workers.get(job.queue, 0) + num_workers
+            if job.state is JobState.RUNNING:
+                running.append(
+                    RunningJob(
+                        job_id=job.id,
+                        queue=job.queue,
+                        step=job.latest_step,
+                        samples_per_s=spec.batch_size * num_workers / job.seconds_per_step
+                        if job.seconds_per_step
+                        else None,
+                    )
+                )
+        return Gauges(
+            jobs=counts,
+            workers=workers,
+            in_use=in_use_by_queue(active, data_cpus=self.settings.data_cpus_per_job),
+            running=running,
+        )
 
     def get_job(self, job_id: int) -> Job:
         with self.db.session() as session:

@@ -1,5 +1,5 @@
-"""Database tables: jobs, their event history, per-step metrics and checkpoints; the scheduler's lease and
-the owners' fair-share usage."""
+"""Database tables: jobs, their event history, per-step metrics and checkpoints; the scheduler's lease,
+the owners' fair-share usage, and the submissions' idempotency keys."""
 
 from __future__ import annotations
 
@@ -210,3 +210,22 @@ class OwnerUsage(Base):
     owner: Mapped[str] = mapped_column(String(128), primary_key=True)
     usage: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class IdempotencyKey(Base):
+    """An `Idempotency-Key` a client sent with `POST /jobs`, and the job that request created.
+
+    The primary key (owner, key) is what makes a retried submission race-safe: two requests with one
+    key insert their rows in the same transaction as their jobs, and the second one's insert fails, so
+    only one job is ever committed (service.jobs). A key older than `Settings.idempotency_key_ttl_s`
+    no longer matches, and the scheduler prunes it.
+    """
+
+    __tablename__ = "idempotency_keys"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    # sha256 of the submitted spec (canonical JSON): the same key with another body is refused.
+    request_hash: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
@@ -17,6 +17,7 @@ from service.errors import InvalidTransition, JobNotFound
 from service.models import (
     Checkpoint,
     CheckpointState,
+    IdempotencyKey,
     Job,
     JobEvent,
     Metric,
@@ -54,6 +55,42 @@ def create_job(session: Session, *, spec: JobSpec, owner: str, actor: str = "api
     )
     logger.info("job queued", extra={"action": "job_queued", "job": {"id": job.id, "name": job.name}})
     return job
+
+
+# -- idempotency keys (service.jobs: JobService.submit_idempotent) ------------------------------------
+
+
+def find_idempotency_key(session: Session, *, owner: str, key: str, since: datetime) -> IdempotencyKey | None:
+    """`owner`'s `key`, if it was stored at or after `since` (an older one no longer matches)."""
+    query = select(IdempotencyKey).where(
+        IdempotencyKey.owner == owner, IdempotencyKey.key == key, IdempotencyKey.created_at >= since
+    )
+    return session.scalars(query).one_or_none()
+
+
+def add_idempotency_key(
+    session: Session, *, owner: str, key: str, request_hash: str, job_id: int, expired_before: datetime
+) -> None:
+    """Store `key` for the job just created in this transaction. An expired row of the same key is
+    replaced; a live one (a concurrent request that won) makes the flush raise IntegrityError, which
+    rolls the whole transaction back, the job with it."""
+    session.execute(
+        delete(IdempotencyKey).where(
+            IdempotencyKey.owner == owner,
+            IdempotencyKey.key == key,
+            IdempotencyKey.created_at < expired_before,
+        )
+    )
+    session.add(
+        IdempotencyKey(owner=owner, key=key, request_hash=request_hash, job_id=job_id, created_at=utcnow())
+    )
+    session.flush()
+
+
+def prune_idempotency_keys(session: Session, *, before: datetime) -> int:
+    """Delete the keys stored before `before` (expired); returns how many."""
+    result = session.execute(delete(IdempotencyKey).where(IdempotencyKey.created_at < before))
+    return int(getattr(result, "rowcount", 0) or 0)
 
 
 def get_job(session: Session, job_id: int, *, for_update: bool = False) -> Job:
@@ -138,6 +175,23 @@ def count_unfinished(session: Session) -> dict[tuple[str, JobState], int]:
         select(Job.queue, Job.state, func.count()).where(Job.state.in_(states)).group_by(Job.queue, Job.state)
     )
     return {(queue, state): count for queue, state, count in session.execute(query)}
+
+
+def count_jobs(session: Session) -> dict[tuple[str, JobState], int]:
+    """(queue, state) -> how many jobs, for every state (one grouped count on the state index)."""
+    query = select(Job.queue, Job.state, func.count()).group_by(Job.queue, Job.state)
+    return {(queue, state): count for queue, state, count in session.execute(query)}
+
+
+def queued_since(session: Session, job_id: int) -> datetime | None:
+    """When the job last entered the queue: its submission, or its latest requeue (preempted, not
+    started in time, ...)."""
+    query = select(func.max(JobEvent.at)).where(
+        JobEvent.job_id == job_id,
+        JobEvent.to_state == JobState.QUEUED,
+        or_(JobEvent.from_state.is_(None), JobEvent.from_state != JobState.QUEUED),
+    )
+    return session.scalar(query)
 
 
 def waiting_line(session: Session, queue: str, *, limit: int, offset: int = 0) -> list[Job]:

@@ -9,6 +9,7 @@ from service.cluster import ClusterBackend, LocalRay, RayBackend, pid_running
 from service.db import Database
 from service.errors import ClusterUnavailable
 from service.jobs import JobService
+from service.observability import Metrics
 from service.scheduler import Scheduler
 from service.settings import Settings
 
@@ -30,6 +31,7 @@ class Runtime:
         self.settings = settings
         self._given_backend = backend
         self._run_scheduler = run_scheduler
+        self.metrics = Metrics()  # this service's own registry (`GET /metrics`)
         self.local_ray: LocalRay | None = None
         self.db: Database | None = None
         self._jobs: JobService | None = None
@@ -53,8 +55,9 @@ class Runtime:
         self.db = Database(self.settings.resolved_database_url)
         self.db.upgrade()
         backend = self._given_backend or self._connect_ray()
-        self._jobs = JobService(db=self.db, backend=backend, settings=self.settings)
-        self._scheduler = Scheduler(db=self.db, backend=backend, settings=self.settings)
+        self._jobs = JobService(db=self.db, backend=backend, settings=self.settings, metrics=self.metrics)
+        self._scheduler = Scheduler(db=self.db, backend=backend, settings=self.settings, metrics=self.metrics)
+        self.metrics.watch_database(self._jobs.gauges)
         if self._run_scheduler:  # tests drive `scheduler.tick()` themselves
             self._scheduler.start()
         if self.local_ray is not None:

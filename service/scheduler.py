@@ -18,7 +18,11 @@ expiry, renewed every tick; another replica takes over once it expires):
    requeued the job, so one attempt runs at a time), and store every
    waiting job's position, reason and ETA (changed rows only, one statement);
 4. retain: delete the checkpoints that the jobs' `checkpoint.keep_last`/`keep_best` let go, never the
-   one a job resumes from (service.retention; only jobs with new checkpoints or deletions to retry).
+   one a job resumes from (service.retention; only jobs with new checkpoints or deletions to retry);
+   and, every `PRUNE_KEYS_EVERY_S`, delete the expired idempotency keys of submissions (service.jobs).
+
+Each pass's duration, each admission's wait, each recovery and each preemption is counted in the
+service's Prometheus metrics (service.observability).
 
 Every decision is written in a transaction that first checks, with the lease row locked, that this
 replica still holds the lease: two replicas never admit the same job or over-commit the cluster.
@@ -36,7 +40,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -47,6 +51,7 @@ from service.db import Database
 from service.errors import ClusterUnavailable
 from service.jobs import gang_for
 from service.models import Job
+from service.observability import Metrics
 from service.policy import ClusterSnapshot, Decisions, Gang, Preemption, decayed_usage, decide, dominant_share
 from service.protocol import HEARTBEAT_S, JobFailure, LaunchRequest, entrypoint, failure_from_logs, launch_env
 from service.retention import Retention
@@ -74,11 +79,19 @@ def to_time(value: datetime | None) -> float | None:
 
 class Scheduler:
     def __init__(
-        self, *, db: Database, backend: ClusterBackend, settings: Settings, holder: str | None = None
+        self,
+        *,
+        db: Database,
+        backend: ClusterBackend,
+        settings: Settings,
+        holder: str | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.db = db
         self.backend = backend
         self.settings = settings
+        self.metrics = metrics or Metrics()
+        self._keys_pruned_at: float | None = None
         self.queues = settings.queues
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.is_leader = False
@@ -163,6 +176,7 @@ class Scheduler:
         if not self.is_leader:
             logger.info("this replica schedules now (%s)", self.holder, extra={"action": "lease_taken"})
         self.is_leader = True
+        started = time.perf_counter()
         with self.db.session() as session:
             active = [row for row in repository.scheduling_rows(session) if row.state in ACTIVE_STATES]
             self._learn_specs(session, [row.id for row in active])
@@ -170,6 +184,18 @@ class Scheduler:
         self.enforce(active, now)
         self.schedule(now)
         self.retention.run_pass(_utc(now))
+        self._maybe_prune_keys(now)
+        self.metrics.scheduler_passed(duration_s=time.perf_counter() - started)
+
+    def _maybe_prune_keys(self, now: float) -> None:
+        if self._keys_pruned_at is not None and now - self._keys_pruned_at < PRUNE_KEYS_EVERY_S:
+            return
+        self._keys_pruned_at = now
+        before = _utc(now) - timedelta(seconds=self.settings.idempotency_key_ttl_s)
+        with self.db.session() as session:
+            pruned = repository.prune_idempotency_keys(session, before=before)
+        if pruned:
+            logger.info("pruned %d expired idempotency key(s)", pruned, extra={"action": "keys_pruned"})
 
     def _hold_lease(self, now: float) -> bool:
         with self.db.session() as session:
@@ -211,6 +237,7 @@ class Scheduler:
                     info = self.backend.job_info(submission_id)
                 resubmit = self._apply(session, job, info.status, failure)
             if resubmit is not None:
+                self.metrics.job_recovered(queue=job.queue)
                 self._submit(job_id, resubmit)
 
     def _start_overdue(self, row: Any, now: float) -> bool:
@@ -450,6 +477,7 @@ class Scheduler:
         logger.warning("job %s hung: %s", job_id, why, extra={"action": "job_hung", "job": {"id": job_id}})
         stop_job(self.backend, submission_id)
         if launch is not None:
+            self.metrics.job_recovered(queue=job.queue)
             self._submit(job_id, launch)
 
     def request_stop(self, job_id: int, why: StopReason, *, reason: str) -> bool:
@@ -569,6 +597,7 @@ class Scheduler:
 
     def _preempt(self, victim: Preemption) -> None:
         if self.request_stop(victim.job_id, StopReason.PREEMPTED, reason=victim.reason):
+            self.metrics.job_preempted(queue=self._templates[victim.job_id].queue, by="policy")
             logger.info(
                 "job %s preempted for job %s",
                 victim.job_id,
@@ -607,6 +636,7 @@ class Scheduler:
                 return  # cancelled meanwhile
             attempt = job.attempt + 1
             spec = JobSpec.model_validate(job.spec)
+            queued_at = to_time(repository.queued_since(session, job_id)) or to_time(job.created_at)
             repository.transition(
                 session,
                 job,
@@ -622,6 +652,7 @@ class Scheduler:
                 segment=None,
             )
             launch = self._launch_request(job, spec)
+        self.metrics.job_admitted(queue=job.queue, waited_s=time.time() - (queued_at or time.time()))
         self._submit(job_id, launch)
 
     def _launch_request(self, job: Job, spec: JobSpec) -> LaunchRequest:
@@ -698,6 +729,10 @@ class Scheduler:
                     actor="scheduler",
                     reason=f"Ray refused the submission: {err}",
                 )
+
+
+# How often the leader deletes expired idempotency keys (an indexed range delete; mostly nothing).
+PRUNE_KEYS_EVERY_S = 300.0
 
 
 # The states of a job whose Ray job was submitted and has not been seen running yet.

@@ -85,6 +85,11 @@ class Settings(BaseSettings):
         gt=0,
         description="How long a scheduling replica's lease lasts unrenewed: another takes over after it.",
     )
+    idempotency_key_ttl_s: float = Field(
+        default=86_400.0,
+        gt=0,
+        description="How long an Idempotency-Key of POST /jobs matches its first request (then pruned).",
+    )
     data_trace_dir: Path | None = Field(
         default=None,
         description="Debugging aid: every job's ranks append the sample ids of each step under this "

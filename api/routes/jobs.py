@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, Header, Query, Response, status
 
 from api.deps import JobsDep, OwnerDep, SchedulerDep
 from api.schemas import (
@@ -23,12 +23,41 @@ from service.states import JobState
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
-def submit_job(spec: JobSpec, jobs: JobsDep, scheduler: SchedulerDep, owner: OwnerDep) -> JobPublic:
-    """Queue a training job. A job that could never run is refused (422 naming the field), unwritten."""
-    job = jobs.submit(spec, owner=owner)
-    scheduler.wake()
-    return JobPublic.build(job)
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobPublic,
+    responses={
+        200: {"model": JobPublic, "description": "A repeat of an earlier request's Idempotency-Key."},
+        409: {"description": "The Idempotency-Key was used for a different spec."},
+    },
+)
+def submit_job(
+    spec: JobSpec,
+    jobs: JobsDep,
+    scheduler: SchedulerDep,
+    owner: OwnerDep,
+    response: Response,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            min_length=1,
+            max_length=255,
+            description="Makes a retried submission safe: a repeat of a key (per user, for 24 h) with "
+            "the same spec answers 200 with the job the first request created (header "
+            "Idempotent-Replayed: true) and creates nothing; with another spec, 409.",
+        ),
+    ] = None,
+) -> JobPublic:
+    """Queue a training job (201). A job that could never run is refused (422 naming the field),
+    unwritten. With an `Idempotency-Key`, a retry never creates a second job (200: the first one)."""
+    submission = jobs.submit_idempotent(spec, owner=owner, key=idempotency_key)
+    if submission.replayed:
+        response.status_code = status.HTTP_200_OK
+        response.headers["Idempotent-Replayed"] = "true"
+    else:
+        scheduler.wake()
+    return JobPublic.build(submission.job)
 
 
 @router.get("", response_model=JobsPublic)

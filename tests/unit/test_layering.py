@@ -62,6 +62,14 @@ def test_the_shared_modules_import_nothing_but_each_other_of_the_service() -> No
         assert {name for name in service[module] if name.startswith("service.")} <= SHARED, module
 
 
+def test_prometheus_is_imported_by_the_observability_module_only() -> None:
+    """Not by the pure policy, nor the trainers: the metric objects live in service.observability."""
+    for package in ("api", "service", "trainers"):
+        for module, names in imports_of(package).items():
+            if module != "service.observability":
+                assert "prometheus_client" not in packages(names), module
+
+
 @pytest.mark.parametrize("module", ["api.client", *sorted(SHARED)])
 def test_the_sdk_and_the_shared_modules_load_without_the_database_or_ray(module: str) -> None:
     probe = (

@@ -1,0 +1,210 @@
+"""Prometheus metrics of the service: the one module that imports `prometheus_client`.
+
+Two kinds, in one `CollectorRegistry` per `Metrics` (a process may run several services, as the tests
+do, and each scrape must see only its own):
+
+- events, counted where they happen (`Metrics` methods, called by the scheduler loop and the job
+  service): admission waits, scheduler passes, worker-group restarts, recoveries, preemptions, metric
+  points ingested. They count what this process saw since it started (Prometheus' `rate()` and
+  `increase()` take care of restarts);
+- state, read from the database at scrape time (`DatabaseCollector`, fed by `JobService.gauges()`):
+  jobs by queue and state, queue depth, running workers, resources held per queue, and the step and
+  samples/s of each running job. Cheap queries only: grouped counts and the active jobs, never the
+  metric points.
+
+The pure policy and the trainers know nothing of this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from service.spec import Queue
+from service.states import JobState
+
+logger = logging.getLogger(__name__)
+
+# What `GET /metrics` answers with (Prometheus' text format 0.0.4).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# At most this many running jobs get per-job series (the oldest first): a bound on label cardinality
+# whatever the cluster's size. Only running jobs have them, so ended jobs' series disappear.
+MAX_JOB_SERIES = 500
+
+# A job waits seconds in the research queue and hours (or days) in full-scale.
+ADMISSION_WAIT_BUCKETS_S = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400, 259200)
+SCHEDULER_PASS_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunningJob:
+    """A running job as its per-job series show it."""
+
+    job_id: int
+    queue: str
+    step: int | None
+    samples_per_s: float | None  # all ranks together
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gauges:
+    """What the database says at scrape time (`JobService.gauges()`)."""
+
+    jobs: Mapping[tuple[str, JobState], int]  # (queue, state) -> jobs, every state
+    workers: Mapping[str, int]  # queue -> workers of its running (and preempting) jobs
+    in_use: Mapping[str, Mapping[str, float]]  # queue -> resource -> amount its active jobs hold
+    running: Sequence[RunningJob]
+
+
+class DatabaseCollector(Collector):
+    """Gauges computed at scrape time from `read()`. A database that cannot be read gives
+    `apiary_database_up 0` and no other gauge, never a failed scrape."""
+
+    def __init__(self, read: Callable[[], Gauges]) -> None:
+        self._read = read
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # registered without a first query; names are not checked for clashes
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("apiary_database_up", "Whether the last scrape could read the database.")
+        try:
+            gauges = self._read()
+        except Exception as err:
+            logger.warning("metrics: cannot read the database: %s", err, extra={"action": "metrics_failed"})
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        queues = sorted({queue.value for queue in Queue} | {queue for queue, _ in gauges.jobs})
+
+        jobs = GaugeMetricFamily("apiary_jobs", "Jobs by queue and state.", labels=["queue", "state"])
+        depth = GaugeMetricFamily("apiary_queue_depth", "Jobs waiting in the queue.", labels=["queue"])
+        for queue in queues:
+            for state in JobState:
+                jobs.add_metric([queue, state.value], gauges.jobs.get((queue, state), 0))
+            depth.add_metric([queue], gauges.jobs.get((queue, JobState.QUEUED), 0))
+        yield jobs
+        yield depth
+
+        workers = GaugeMetricFamily(
+            "apiary_running_workers", "Workers of the running (and preempting) jobs.", labels=["queue"]
+        )
+        for queue in queues:
+            workers.add_metric([queue], gauges.workers.get(queue, 0))
+        yield workers
+
+        in_use = GaugeMetricFamily(
+            "apiary_queue_resources_in_use",
+            "Cluster resources that the queue's active jobs (admitted to preempting) hold, with each "
+            "job's data-loading CPUs.",
+            labels=["queue", "resource"],
+        )
+        for queue in queues:
+            for resource, amount in sorted(gauges.in_use.get(queue, {}).items()):
+                in_use.add_metric([queue, resource], amount)
+        yield in_use
+
+        step = GaugeMetricFamily(
+            "apiary_job_step", "The latest step of a running job.", labels=["job_id", "queue"]
+        )
+        speed = GaugeMetricFamily(
+            "apiary_job_samples_per_second",
+            "Training samples a second of a running job, all ranks together (smoothed).",
+            labels=["job_id", "queue"],
+        )
+        for job in sorted(gauges.running, key=lambda job: job.job_id)[:MAX_JOB_SERIES]:
+            labels = [str(job.job_id), job.queue]
+            if job.step is not None:
+                step.add_metric(labels, job.step)
+            if job.samples_per_s is not None:
+                speed.add_metric(labels, job.samples_per_s)
+        yield step
+        yield speed
+
+
+class Metrics:
+    """The service's metric objects, in their own registry. Events are counted through the methods;
+    `watch_database` adds the scrape-time gauges."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.admission_wait = Histogram(
+            "apiary_admission_wait_seconds",
+            "From entering the queue (submitted or requeued) to admission.",
+            ["queue"],
+            buckets=ADMISSION_WAIT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.scheduler_pass = Histogram(
+            "apiary_scheduler_pass_seconds",
+            "One scheduler pass by the leader: reconcile, enforce, schedule, retain.",
+            buckets=SCHEDULER_PASS_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.restarts = Counter(
+            "apiary_restarts",
+            "Worker groups restarted by Ray Train from their checkpoint (seen in the telemetry).",
+            ["queue"],
+            registry=self.registry,
+        )
+        self.recoveries = Counter(
+            "apiary_recoveries",
+            "Jobs resubmitted from their checkpoint after losing their driver, Ray job or cluster, or "
+            "hanging.",
+            ["queue"],
+            registry=self.registry,
+        )
+        self.preemptions = Counter(
+            "apiary_preemptions",
+            "Running jobs told to checkpoint and requeue, by the policy or by a user.",
+            ["queue", "by"],
+            registry=self.registry,
+        )
+        self.metric_points = Counter(
+            "apiary_metric_points_ingested",
+            "Metric points received from trainer ranks (a re-posted point counts again).",
+            registry=self.registry,
+        )
+        for queue in Queue:  # every series from the start: a dashboard sees 0, not nothing
+            self.admission_wait.labels(queue.value)
+            self.restarts.labels(queue.value)
+            self.recoveries.labels(queue.value)
+            for by in ("policy", "user"):
+                self.preemptions.labels(queue.value, by)
+
+    def watch_database(self, read: Callable[[], Gauges]) -> None:
+        """Serve the gauges that `read` computes at each scrape."""
+        self.registry.register(DatabaseCollector(read))
+
+    def render(self) -> bytes:
+        """The text exposition of everything (what `GET /metrics` answers)."""
+        return generate_latest(self.registry)
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def job_admitted(self, *, queue: str, waited_s: float) -> None:
+        self.admission_wait.labels(queue).observe(max(0.0, waited_s))
+
+    def scheduler_passed(self, *, duration_s: float) -> None:
+        self.scheduler_pass.observe(duration_s)
+
+    def job_restarted(self, *, queue: str) -> None:
+        self.restarts.labels(queue).inc()
+
+    def job_recovered(self, *, queue: str) -> None:
+        self.recoveries.labels(queue).inc()
+
+    def job_preempted(self, *, queue: str, by: str) -> None:
+        self.preemptions.labels(queue, by).inc()
+
+    def points_ingested(self, count: int) -> None:
+        if count:
+            self.metric_points.inc(count)
