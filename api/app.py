@@ -10,7 +10,7 @@ from sqlalchemy import text
 
 from api import errors
 from api.deps import RuntimeDep
-from api.routes import internal, jobs, queues
+from api.routes import internal, jobs, plan, queues
 from api.schemas import Health
 from service.errors import ClusterUnavailable
 from service.runtime import Runtime
@@ -39,6 +39,7 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
     app.include_router(jobs.router)
     app.include_router(queues.router)
     app.include_router(internal.router)
+    app.include_router(plan.router)
 
     @app.get("/healthz", response_model=Health, tags=["health"])
     def healthz(runtime: RuntimeDep, response: Response) -> Health:

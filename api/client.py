@@ -115,3 +115,18 @@ class ApiaryClient:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} is still {job['state']} after {timeout_s:.0f} s")
             time.sleep(poll_s)
+
+    def plan(
+        self,
+        *,
+        facts: dict[str, Any] | None = None,
+        spec: JobSpec | dict[str, Any] | None = None,
+        job_id: int | None = None,
+    ) -> dict[str, Any]:
+        """The cluster math of a run (POST /plan): {"plan": flat quantities, "rows", "facts", "sources"}.
+        Facts (service.planner.PlanFacts names) win over the job's measurements, which win over the spec."""
+        if isinstance(spec, JobSpec):
+            spec = spec.model_dump(mode="json")
+        body = {"facts": facts or {}, "spec": spec, "job_id": job_id}
+        result: dict[str, Any] = self._request("POST", "/plan", json=body)
+        return result

@@ -58,6 +58,12 @@ class Settings(BaseSettings):
         default=1.0, gt=0, description="CPUs reserved per job for its Ray Data tasks (part of its gang)."
     )
     scheduler_interval_s: float = Field(default=1.0, gt=0)
+    default_mtbf_s: float = Field(
+        default=24 * 3600.0,
+        gt=0,
+        description="A job's mean time between failures for `checkpoint: {auto: true}` and `apiary plan` "
+        "until Apiary has observed a failure (service.planning).",
+    )
     hang_floor_s: float = Field(
         default=60.0,
         gt=0,
