@@ -32,6 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.spec import GPTConfig, JobSpec
 
 HOUR_S = 3600.0
+# A job's mean time between failures until one is observed (Settings.default_mtbf_s; the trainers'
+# own default when the launch request carries none).
+DEFAULT_MTBF_S = 24 * HOUR_S
 # Bytes per parameter of the gradients that the all-reduce moves, by training precision. Mixed
 # precision (bf16, fp16) reduces gradients in the half type.
 GRAD_BYTES_PER_PARAM = {"fp32": 4, "bf16": 2, "fp16": 2}
