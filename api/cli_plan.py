@@ -14,11 +14,12 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
+import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from api.client import ApiaryClient
+from api.client import ApiaryClient, ApiaryClientError
 from service.errors import one_line
 from service.planner import Plan, Row, facts_from_spec, merge_facts, plan
 from service.spec import JobSpec, parse_spec_text
@@ -193,9 +194,15 @@ def plan_command(
         except (OSError, ValueError) as err:
             _usage_error(f"{spec_file}: {one_line(err)}")
     if job is not None or url is not None:
-        with ApiaryClient(url or "http://127.0.0.1:8000") as client:
-            # An ApiaryClientError (a bad fact: 422, no such job: 404) is printed by cli.main().
-            answer = client.plan(facts=flags, spec=spec, job_id=job)
+        url = url or "http://127.0.0.1:8000"
+        try:
+            with ApiaryClient(url) as client:
+                answer = client.plan(facts=flags, spec=spec, job_id=job)
+        except ApiaryClientError as err:  # a bad fact (422), no such job (404)
+            _usage_error(err.message)
+        except httpx.HTTPError as err:
+            console.print(f"[red]error:[/] cannot reach Apiary at {url}: {one_line(err)}")
+            raise typer.Exit(1) from None
         flat, rows, sources = answer["plan"], answer["rows"], answer["sources"]
     else:
         layers = [("spec", facts_from_spec(spec))] if spec is not None else []
