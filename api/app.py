@@ -10,7 +10,7 @@ from sqlalchemy import text
 
 from api import errors
 from api.deps import RuntimeDep
-from api.routes import internal, jobs, logs, metrics, queues, streams
+from api.routes import internal, jobs, logs, metrics, plan, queues, streams
 from api.schemas import Health
 from api.web import views as web
 from service.errors import ClusterUnavailable
@@ -44,6 +44,7 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
     app.include_router(internal.router)
     app.include_router(streams.router)
     app.include_router(metrics.router)
+    app.include_router(plan.router)
 
     @app.get("/healthz", response_model=Health, tags=["health"])
     def healthz(runtime: RuntimeDep, response: Response) -> Health:

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from api import cli_jobs, server
 from api.app import create_app
+from api.cli_plan import plan_command
 from api.client import ApiaryClientError
 from api.demo import run_demo_job, write_demo_dataset
 from service.cluster import free_port
@@ -191,6 +192,9 @@ def _duration(seconds: float) -> str:
 def _usage_error(message: str) -> NoReturn:
     console.print(f"[red]error:[/] {message}")
     raise typer.Exit(2)
+
+
+app.command("plan")(plan_command)  # api/cli_plan.py
 
 
 def main() -> None:

@@ -458,6 +458,22 @@ class ApiaryClient:
             message = f"cannot reach Apiary at {self.url}: {err}"
             raise ApiaryConnectionError(message, status_code=None) from None
 
+    def plan(
+        self,
+        *,
+        facts: dict[str, Any] | None = None,
+        spec: JobSpec | dict[str, Any] | None = None,
+        job_id: int | None = None,
+    ) -> dict[str, Any]:
+        """The cluster math of a run (POST /plan): {"plan": flat quantities, "rows", "facts", "sources"}.
+        Facts (service.planner.PlanFacts names) win over the job's measurements, which win over the spec."""
+        if isinstance(spec, JobSpec):
+            spec = spec.model_dump(mode="json")
+        body = {"facts": facts or {}, "spec": spec, "job_id": job_id}
+        # Pure arithmetic on the server: safe to send again.
+        result: dict[str, Any] = self._send("POST", "/plan", resend=True, json=body).json()
+        return result
+
 
 def _without_none(**params: Any) -> dict[str, Any]:
     return {key: value for key, value in params.items() if value is not None}

@@ -58,6 +58,13 @@ class LaunchRequest(Strict):
         "left of the spec's max_failures after the job's earlier failures; None = all of it.",
     )
     s3_endpoint_url: str | None = None
+    mtbf_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="checkpoint.auto: the job's mean time between failures (service.planning); None = "
+        "the trainers' own default.",
+    )
+    mtbf_basis: str | None = Field(default=None, description="Why that MTBF, for the cadence's event.")
     data_trace_dir: str | None = Field(
         default=None,
         description="Debugging aid: every rank appends the sample ids of each step to "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, delete, func, or_, select, update
@@ -696,3 +696,26 @@ def stream_cursor(session: Session, job_id: int) -> tuple[int, int]:
     event_id = session.scalar(select(func.max(JobEvent.id)).where(JobEvent.job_id == job_id))
     metric_id = session.scalar(select(func.max(Metric.id)).where(Metric.job_id == job_id))
     return event_id or 0, metric_id or 0
+
+
+def failure_history(session: Session, *, now: datetime, limit: int = 1000) -> tuple[int, float]:
+    """Failures of the `limit` most recent jobs that ran, and the seconds they ran (first start to end,
+    or to `now`): the cluster's observed failure rate, for the planner's MTBF (service.planning)."""
+    rows = session.execute(
+        select(Job.failures, Job.started_at, Job.finished_at)
+        .where(Job.started_at.is_not(None))
+        .order_by(Job.id.desc())
+        .limit(limit)
+    ).all()
+    failures, running_s = 0, 0.0
+    for count, started_at, finished_at in rows:
+        end = finished_at or now
+        failures += count or 0
+        assert started_at is not None  # the query asks for it
+        running_s += max(0.0, (_aware(end) - _aware(started_at)).total_seconds())
+    return failures, running_s
+
+
+def _aware(value: datetime) -> datetime:
+    # SQLite gives back naive datetimes (stored as UTC).
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)

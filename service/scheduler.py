@@ -43,7 +43,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, object_session
 
 from service import repository
 from service.cluster import ClusterBackend, RayJobStatus, stop_job, submission_prefix
@@ -52,6 +52,8 @@ from service.errors import ClusterUnavailable
 from service.jobs import gang_for
 from service.models import Job
 from service.observability import Metrics
+from service.planner import time_to_finish_s
+from service.planning import observed_mtbf
 from service.policy import ClusterSnapshot, Decisions, Gang, Preemption, decayed_usage, decide, dominant_share
 from service.protocol import HEARTBEAT_S, JobFailure, LaunchRequest, entrypoint, failure_from_logs, launch_env
 from service.retention import Retention
@@ -557,7 +559,8 @@ class Scheduler:
         if gang.max_runtime_s is not None:
             ends.append((started_at if started_at is not None else now) + gang.max_runtime_s)
         if row.seconds_per_step and row.latest_step is not None:
-            ends.append(now + max(0, self._max_steps[row.id] - row.latest_step) * row.seconds_per_step)
+            steps_left = self._max_steps[row.id] - row.latest_step
+            ends.append(now + time_to_finish_s(steps_left=steps_left, step_time_s=row.seconds_per_step))
         return min(ends) if ends else None
 
     def _update_usage(
@@ -657,6 +660,18 @@ class Scheduler:
 
     def _launch_request(self, job: Job, spec: JobSpec) -> LaunchRequest:
         """What the attempt `job.attempt` runs (its row already holds the attempt and submission id)."""
+        mtbf = None
+        if spec.checkpoint.auto:
+            session = object_session(job)
+            assert session is not None  # both callers hold the job's row in their session
+            mtbf = observed_mtbf(session, default_s=self.settings.default_mtbf_s)
+            repository.record_event(
+                session,
+                job,
+                actor="scheduler",
+                reason=f"checkpoint auto: MTBF {mtbf.mtbf_s / 3600:.1f} h ({mtbf.basis}); the cadence "
+                "follows once the trainers have measured a save",
+            )
         return LaunchRequest(
             job_id=job.id,
             attempt=job.attempt,
@@ -669,6 +684,8 @@ class Scheduler:
             failures_left=max(0, spec.max_failures - job.failures),
             s3_endpoint_url=self.settings.s3_endpoint_url,
             data_trace_dir=str(self.settings.data_trace_dir) if self.settings.data_trace_dir else None,
+            mtbf_s=mtbf.mtbf_s if mtbf else None,
+            mtbf_basis=mtbf.basis if mtbf else None,
         )
 
     def _submit(self, job_id: int, launch: LaunchRequest) -> None:

@@ -9,6 +9,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service import queues
+from service.planner import DEFAULT_MTBF_S
 from service.queues import QueuesConfig
 
 
@@ -58,6 +59,12 @@ class Settings(BaseSettings):
         default=1.0, gt=0, description="CPUs reserved per job for its Ray Data tasks (part of its gang)."
     )
     scheduler_interval_s: float = Field(default=1.0, gt=0)
+    default_mtbf_s: float = Field(
+        default=DEFAULT_MTBF_S,
+        gt=0,
+        description="A job's mean time between failures for `checkpoint: {auto: true}` and `apiary plan` "
+        "until Apiary has observed a failure (service.planning).",
+    )
     hang_floor_s: float = Field(
         default=60.0,
         gt=0,

@@ -118,6 +118,19 @@ class CheckpointSpec(Strict):
         description="Copy the state to host memory at the step and write it in the background while "
         "training goes on (at most one write in flight); false writes it before the next step.",
     )
+    auto: bool = Field(
+        default=False,
+        description="Choose the time between checkpoints: Daly's optimum (service.planner) for the save "
+        "time the trainers measure (the first save comes after the first step) and the mean time between "
+        "failures Apiary has observed on the cluster; shown as a `checkpoint_cadence` event of the job. "
+        "Replaces every_s; every_steps, if set, still applies (whichever comes first).",
+    )
+
+    @model_validator(mode="after")
+    def _one_time_cadence(self) -> CheckpointSpec:
+        if self.auto and self.every_s is not None:
+            raise ValueError("set every_s or auto: true, not both (auto chooses the time between saves)")
+        return self
 
 
 class AnomalyAction(StrEnum):

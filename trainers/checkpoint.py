@@ -95,6 +95,7 @@ import torch.distributed as dist
 from torch import nn
 
 from service.errors import one_line
+from service.planner import DEFAULT_MTBF_S, auto_checkpoint_interval_s, young_interval_s
 from service.protocol import LaunchRequest
 from service.spec import JobSpec
 from service.storage import checkpoint_uri, resolve_uri, sha256_of
@@ -556,6 +557,7 @@ class WriteOutcome:
     step: int
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     error: str | None = None
+    write_s: float = 0.0  # from the start of the write (its copy included) until its files were in storage
 
 
 def finish_checkpoint(path: str, filesystem: pafs.FileSystem, *, outcomes: list[WriteOutcome]) -> bool:
@@ -661,9 +663,11 @@ class CheckpointWriter:
         return f"{self.run_path}/{checkpoint_dir_name(step)}"
 
     def _write(self, snapshot: Snapshot) -> None:
+        started = time.monotonic()
         try:
             snapshot.finish_copy()
-            self._outcome = WriteOutcome(step=snapshot.step, files=self.write_now(snapshot))
+            files = self.write_now(snapshot)
+            self._outcome = WriteOutcome(step=snapshot.step, files=files, write_s=time.monotonic() - started)
         except Exception as err:
             logger.warning("writing the checkpoint at step %d failed", snapshot.step, exc_info=True)
             self._outcome = WriteOutcome(step=snapshot.step, error=f"{type(err).__name__}: {one_line(err)}")
@@ -817,6 +821,36 @@ def resume_position(
 
 
 # ---------------------------------------------------------------------------------------------------
+# checkpoint: {auto: true}
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoCadence:
+    """The time between checkpoints that checkpoint.auto chose, and why (the job's event says it)."""
+
+    interval_s: float
+    mtbf_s: float
+    reason: str
+
+
+def auto_cadence(*, save_s: float, mtbf_s: float, mtbf_basis: str, async_: bool) -> AutoCadence:
+    """The cadence for a measured save time and an MTBF: Daly's optimum (service.planner), treating the
+    whole write as the save's cost (an async save stalls less, so this errs towards saving less often);
+    an async save is never due before the last one could be written."""
+    floor_s = save_s if async_ else 0.0
+    interval_s = auto_checkpoint_interval_s(save_s=save_s, mtbf_s=mtbf_s, min_interval_s=floor_s)
+    floor = " (the write time: one async write at a time)" if interval_s == save_s and async_ else ""
+    return AutoCadence(
+        interval_s=interval_s,
+        mtbf_s=mtbf_s,
+        reason=f"checkpoint every {interval_s:.1f} s{floor}: Daly's optimum for a {save_s:.2f} s save and "
+        f"an MTBF of {mtbf_s / 3600:.1f} h ({mtbf_basis}); Young's sqrt(2 x save x MTBF) is "
+        f"{young_interval_s(save_s=save_s, mtbf_s=mtbf_s):.1f} s",
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
 # Inside a Ray Train job. Ray Train is imported where it is used: reading or writing a checkpoint
 # folder needs only torch.
 # ---------------------------------------------------------------------------------------------------
@@ -852,6 +886,11 @@ class Checkpointer:
         # Ray Train compares a reported checkpoint's with), unless given.
         self.run_path, self.filesystem = storage or _ray_run_storage()
         self._writer: CheckpointWriter | None = None
+        # The time between checkpoints (rank 0's clock decides): the spec's every_s, or with
+        # checkpoint.auto the cadence chosen from the last measured save (None: none measured yet, so
+        # the first save comes after the first step).
+        self._every_s = self.spec.checkpoint.every_s
+        self._cadence: AutoCadence | None = None
         self._metrics: dict[str, float] = {}  # of the checkpoint in flight
         self._last_snapshot_at = time.monotonic()
         self._guarded: list[torch.optim.Optimizer] = []  # optimizers whose step waits for the copy
@@ -894,10 +933,11 @@ class Checkpointer:
         calls it after every step. True when the ranks agreed to stop here (the checkpoint is complete).
         """
         writer = self._writer
-        time_due = (
-            self.rank == 0
-            and self.spec.checkpoint.every_s is not None
-            and time.monotonic() - self._last_snapshot_at >= self.spec.checkpoint.every_s
+        # checkpoint.auto: the first save (or a retry of a failed first one) measures the save time.
+        measure = self.spec.checkpoint.auto and self._cadence is None
+        time_due = self.rank == 0 and (
+            (measure and (writer is None or writer.in_flight is None))
+            or (self._every_s is not None and time.monotonic() - self._last_snapshot_at >= self._every_s)
         )
         stop, writing, time_due = _any_rank_each(
             [stop_requested, writer is not None and writer.busy, time_due], device=self.device
@@ -973,6 +1013,8 @@ class Checkpointer:
         complete = self.rank == 0 and finish_checkpoint(path, self.filesystem, outcomes=outcomes)
         if any(each.error is not None for each in outcomes):
             return  # no rank reports: they all know it failed
+        if self.rank == 0 and self.spec.checkpoint.auto:
+            self._retune(save_s=max(each.write_s for each in outcomes), step=outcome.step)
         self._report(path if complete else None, step=outcome.step)
         if complete:
             uri = checkpoint_uri(
@@ -981,6 +1023,26 @@ class Checkpointer:
                 name=checkpoint_dir_name(outcome.step),
             )
             self.telemetry.checkpoint_saved(outcome.step, uri)
+
+    def _retune(self, *, save_s: float, step: int) -> None:
+        """checkpoint.auto (rank 0): the cadence for the save just measured; an event when it is the first
+        or moves by more than a quarter."""
+        cadence = auto_cadence(
+            save_s=save_s,
+            mtbf_s=self.request.mtbf_s or DEFAULT_MTBF_S,
+            mtbf_basis=self.request.mtbf_basis or f"default {DEFAULT_MTBF_S / 3600:g} h",
+            async_=self.spec.checkpoint.async_,
+        )
+        before, self._cadence, self._every_s = self._cadence, cadence, cadence.interval_s
+        if before is None or abs(cadence.interval_s - before.interval_s) > 0.25 * before.interval_s:
+            self.telemetry.event(
+                "checkpoint_cadence",
+                step=step,
+                message=cadence.reason,
+                interval_s=round(cadence.interval_s, 3),
+                save_s=round(save_s, 3),
+                mtbf_s=round(cadence.mtbf_s, 1),
+            )
 
     def _report(self, path: str | None, *, step: int) -> None:
         """Register the complete checkpoint at `path` with Ray Train (every rank calls it: a barrier; only

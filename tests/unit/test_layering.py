@@ -11,7 +11,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # The service modules that the trainers (and the SDK) may import: the shared kernel of both sides.
-SHARED = {"service.spec", "service.protocol", "service.storage", "service.webdataset", "service.errors"}
+SHARED = {
+    "service.spec",
+    "service.protocol",
+    "service.storage",
+    "service.webdataset",
+    "service.errors",
+    "service.planner",  # pure cluster math: checkpoint.auto chooses its cadence with it on the cluster
+}
 
 
 def is_module(name: str) -> bool:

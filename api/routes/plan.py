@@ -1,0 +1,68 @@
+"""POST /plan: the cluster math of a run (service.planner) from facts, a spec and what Apiary measured."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, Field
+
+from api.deps import RuntimeDep
+from service.errors import InvalidSpec
+from service.planner import PlanFacts
+from service.planning import measured_plan
+from service.spec import JobSpec
+
+router = APIRouter(tags=["plan"])
+
+
+class PlanRequest(BaseModel):
+    facts: PlanFacts = Field(
+        default_factory=PlanFacts, description="Facts given outright; they win over everything measured."
+    )
+    spec: JobSpec | None = Field(default=None, description="A job spec to take facts from.")
+    job_id: int | None = Field(
+        default=None, description="A job whose spec and measured step time to use (its spec unless `spec`)."
+    )
+
+
+class PlanRow(BaseModel):
+    name: str
+    value: bool | int | float | None = Field(description="None: absent (see needs).")
+    unit: str
+    formula: str
+    meaning: str
+    needs: list[str] = Field(description="The facts an absent quantity lacks ('a | b': either).")
+
+
+class PlanPublic(BaseModel):
+    plan: dict[str, bool | int | float | None] = Field(
+        description="Every quantity by name (SI units in keys); None where absent."
+    )
+    rows: list[PlanRow]
+    facts: dict[str, Any] = Field(description="The facts the plan used.")
+    sources: dict[str, str] = Field(description="Where each fact came from.")
+
+
+@router.post("/plan", response_model=PlanPublic)
+def create_plan(request: PlanRequest, runtime: RuntimeDep) -> PlanPublic:
+    """Throughput, communication ceiling, checkpoint cost, cadence, failure waste and price."""
+    assert runtime.db is not None
+    with runtime.db.session() as session:
+        try:
+            result, sources = measured_plan(
+                session,
+                backend=runtime.jobs.backend,
+                default_mtbf_s=runtime.settings.default_mtbf_s,
+                facts=request.facts.model_dump(exclude_unset=True),
+                spec=request.spec,
+                job_id=request.job_id,
+            )
+        except ValueError as err:  # a spec's fact that does not fit the others
+            raise InvalidSpec(str(err), field="facts") from None
+    return PlanPublic(
+        plan=result.as_dict(),
+        rows=[PlanRow(**row.as_dict()) for row in result.rows],
+        facts=result.facts.model_dump(exclude_none=True),
+        sources=sources,
+    )
