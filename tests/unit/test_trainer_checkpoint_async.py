@@ -267,6 +267,7 @@ def test_the_spec_takes_async_and_every_s() -> None:
         "keep_best": None,
         "every_s": 600.0,
         "async": False,
+        "auto": False,
     }
     assert JobSpec.model_validate(spec.model_dump(mode="json")) == spec  # as the trainers receive it
     assert make_spec(trainer="mlp", dataset="file:///unused", config=MLP).checkpoint.async_ is True
