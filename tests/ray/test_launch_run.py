@@ -23,7 +23,12 @@ from service.protocol import LAUNCH_ENV_VAR, error_line
 from tests.support.datasets import write_classes, write_tokens
 from tests.support.jobs import make_request, make_spec
 from tests.support.telemetry import TelemetryServer
-from trainers.checkpoint import build_model_from_checkpoint, checkpoint_dir_name, load_checkpoint
+from trainers.checkpoint import (
+    auto_cadence,
+    build_model_from_checkpoint,
+    checkpoint_dir_name,
+    load_checkpoint,
+)
 from trainers.launch import TrainingFailed, run
 from trainers.loop import STEP_METRICS
 from trainers.models import GPT
@@ -79,10 +84,28 @@ def test_gpt_trains_checkpoints_sends_telemetry_and_resumes(
     assert telemetry_server.checkpoints()[-1]["uri"] == second.checkpoint_uri
 
 
-def test_mlp_classification_learns(ray_cluster: str, tmp_path: Path) -> None:
+def test_mlp_learns_with_the_automatic_checkpoint_cadence(
+    ray_cluster: str, tmp_path: Path, telemetry_server: TelemetryServer
+) -> None:
+    """`checkpoint: {auto: true}` on real workers: the first save, after step 1, measures the save time;
+    rank 0 then takes Daly's interval for it and the MTBF the service handed over, and says so."""
     data = write_classes(tmp_path / "cls", rows=512, num_features=8, num_classes=3)
-    spec = make_spec(trainer="mlp", dataset=data, config={"num_classes": 3, "lr": 1e-2}, max_steps=40)
-    result = run(make_request(spec, storage=tmp_path / "storage", run_name="mlp-run"))
+    spec = make_spec(
+        trainer="mlp",
+        dataset=data,
+        config={"num_classes": 3, "lr": 1e-2},
+        max_steps=40,
+        checkpoint={"auto": True},
+    )
+    request = make_request(
+        spec,
+        storage=tmp_path / "storage",
+        run_name="mlp-run",
+        telemetry_url=telemetry_server.url,
+        mtbf_s=600.0,
+        mtbf_basis="observed: 3 failure(s) in 0.5 job-hours",
+    )
+    result = run(request)
 
     assert result.step == 40
     assert result.metrics["loss"] < 0.3  # from ~ln(3) = 1.1 at the start
@@ -90,6 +113,22 @@ def test_mlp_classification_learns(ray_cluster: str, tmp_path: Path) -> None:
     assert result.checkpoint_path is not None
     model = build_model_from_checkpoint(result.checkpoint_path)
     assert model(torch.zeros(2, 8)).shape == (2, 3)
+
+    steps = [c["step"] for c in telemetry_server.checkpoints()]
+    assert steps[0] == 1 and steps[-1] == 40, steps  # the measuring save, and the final one
+    # One event for the first measured save, another whenever a later save moves it by over a quarter.
+    cadence = next(e for e in telemetry_server.events() if e["kind"] == "checkpoint_cadence")
+    assert cadence["step"] == 1 and cadence["rank"] == 0
+    expected = auto_cadence(
+        save_s=cadence["data"]["save_s"], mtbf_s=600.0, mtbf_basis="observed", async_=True
+    )
+    # Daly for a save of well under a second and a 10-minute MTBF: seconds, not the default MTBF's
+    # hours (the event's save_s is rounded to the millisecond, hence the tolerance).
+    assert cadence["data"]["interval_s"] == pytest.approx(expected.interval_s, rel=0.02)
+    assert cadence["data"]["mtbf_s"] == 600.0
+    assert 0.5 < cadence["data"]["interval_s"] < 60.0
+    assert cadence["message"].startswith("checkpoint every ")
+    assert "observed: 3 failure(s) in 0.5 job-hours" in cadence["message"]
 
 
 def test_bad_dataset_fails_before_training_with_a_clear_reason(ray_cluster: str, tmp_path: Path) -> None:
