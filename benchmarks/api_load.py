@@ -37,9 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Coroutine, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,8 +50,7 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from sqlalchemy import create_engine, func, select, text  # noqa: E402
-from sqlalchemy.engine import make_url  # noqa: E402
+from sqlalchemy import func, select  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from fake_cluster import FakeCluster  # noqa: E402
@@ -60,6 +58,7 @@ from fake_cluster import FakeCluster  # noqa: E402
 from service.cluster import free_port  # noqa: E402
 from service.db import Database  # noqa: E402
 from service.models import IdempotencyKey, Job  # noqa: E402
+from tests.support.databases import fresh_postgres_database  # noqa: E402
 
 PG_ADMIN_URL = os.environ.get("APIARY_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 MAX_TRIES = 6
@@ -283,18 +282,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-@contextmanager
-def postgres_database() -> Iterator[str]:
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"apiary_bench_{uuid.uuid4().hex[:10]}"
-    with admin.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+def postgres_database() -> AbstractContextManager[str]:
+    return fresh_postgres_database(PG_ADMIN_URL, prefix="apiary_bench")
 
 
 def bench(name: str, database_url: str, *, workdir: Path, dataset_uri: str, args: argparse.Namespace) -> bool:

@@ -23,9 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -33,8 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fastapi.testclient import TestClient  # noqa: E402
-from sqlalchemy import create_engine, insert, text  # noqa: E402
-from sqlalchemy.engine import make_url  # noqa: E402
+from sqlalchemy import insert  # noqa: E402
 
 from api.app import create_app  # noqa: E402
 
@@ -47,6 +44,7 @@ from service.runtime import Runtime  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.spec import JobSpec  # noqa: E402
 from service.states import JobState  # noqa: E402
+from tests.support.databases import fresh_postgres_database  # noqa: E402
 
 PG_ADMIN_URL = os.environ.get("APIARY_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 JOBS, QUEUED, RUNNING = 10_000, 4_000, 100
@@ -152,18 +150,8 @@ def bench(database_url: str, *, workdir: Path, repeats: int) -> dict[str, float]
     return figures
 
 
-@contextmanager
-def postgres_database() -> Iterator[str]:
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"apiary_bench_{uuid.uuid4().hex[:10]}"
-    with admin.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+def postgres_database() -> AbstractContextManager[str]:
+    return fresh_postgres_database(PG_ADMIN_URL, prefix="apiary_bench")
 
 
 def main() -> None:

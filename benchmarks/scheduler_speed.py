@@ -27,7 +27,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -38,8 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
-from sqlalchemy import create_engine, insert, text  # noqa: E402
-from sqlalchemy.engine import make_url  # noqa: E402
+from sqlalchemy import insert  # noqa: E402
 
 from api.app import create_app  # noqa: E402
 from api.demo import token_table, write_shards  # noqa: E402
@@ -57,6 +55,7 @@ from service.scheduler import Scheduler  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.spec import JobSpec  # noqa: E402
 from service.states import JobState  # noqa: E402
+from tests.support.databases import fresh_postgres_database  # noqa: E402
 
 PG_ADMIN_URL = os.environ.get("APIARY_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 NODES, NODE = 64, {"CPU": 32.0, "GPU": 8.0}
@@ -136,19 +135,8 @@ def bench_decide(repeats: int) -> tuple[float, float]:
 
 @contextmanager
 def databases(workdir: Path) -> Iterator[dict[str, str]]:
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"apiary_bench_{uuid.uuid4().hex[:10]}"
-    with admin.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield {
-            "sqlite": f"sqlite:///{workdir / 'bench.db'}",
-            "postgresql": make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False),
-        }
-    finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with fresh_postgres_database(PG_ADMIN_URL, prefix="apiary_bench") as postgresql:
+        yield {"sqlite": f"sqlite:///{workdir / 'bench.db'}", "postgresql": postgresql}
 
 
 def bench_tick(database_url: str, *, workdir: Path, dataset_uri: str, ticks: int) -> tuple[float, float]:

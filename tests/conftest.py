@@ -30,11 +30,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from api.demo import classification_table, write_shards
 from service.cluster import free_port
+from tests.support.databases import fresh_postgres_database
 from tests.support.telemetry import TelemetryServer
 from tests.support.wait import wait_until
 
@@ -57,19 +56,8 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 
 
 def _fresh_postgres_database() -> Iterator[str]:
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"apiary_test_{uuid.uuid4().hex[:12]}"
-    try:
-        with admin.connect() as connection:
-            connection.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as err:  # a missing PostgreSQL must fail the suite, not skip it
-        raise RuntimeError(f"PostgreSQL at {PG_ADMIN_URL} is needed for the tests: {err}") from err
-    try:
-        yield make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with fresh_postgres_database(PG_ADMIN_URL, prefix="apiary_test") as url:
+        yield url
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -42,8 +42,27 @@ KEEP_ALIVE = b": keep-alive\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _resume_from(header: str | None, query: str | None) -> str | None:
-    return header if header is not None else query
+@dataclass(frozen=True)
+class Resume:
+    """Where a stream resumes: the id its client last saw (the Last-Event-ID header, which browsers'
+    EventSource send on reconnect, before the `last_event_id` query), and which of the two gave it."""
+
+    id: str | None
+    where: str = "query"
+
+
+def resume_point(
+    last_event_id: Annotated[
+        str | None, Query(description="Resume after this id (as Last-Event-ID).")
+    ] = None,
+    last_event_id_header: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+) -> Resume:
+    if last_event_id_header is not None:
+        return Resume(last_event_id_header, "header")
+    return Resume(last_event_id)
+
+
+ResumeDep = Annotated[Resume, Depends(resume_point)]
 
 
 def _bad_cursor(where: str, value: str) -> RequestValidationError:
@@ -133,19 +152,15 @@ async def stream_job(
     job_id: int,
     request: Request,
     jobs: JobsDep,
-    last_event_id: Annotated[
-        str | None, Query(description="Resume after this id (as Last-Event-ID).")
-    ] = None,
-    last_event_id_header: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+    resume: ResumeDep,
 ) -> StreamingResponse:
     """A job's state, events and metric points as server-sent events, until it ends (see the README's
     stream contract). 404 for an unknown job."""
-    resume = _resume_from(last_event_id_header, last_event_id)
     try:
-        cursor = JobCursor.parse(resume) if resume else JobCursor()
+        cursor = JobCursor.parse(resume.id) if resume.id else JobCursor()
     except ValueError:
-        assert resume is not None
-        raise _bad_cursor("header" if last_event_id_header is not None else "query", resume) from None
+        assert resume.id is not None
+        raise _bad_cursor(resume.where, resume.id) from None
     first = await run_in_threadpool(_poll_job, jobs, job_id, cursor)  # 404 here, before the stream starts
 
     async def messages() -> AsyncIterator[bytes]:
@@ -216,17 +231,13 @@ def _tracker(request: Request) -> QueuesTracker:
 async def stream_queues(
     request: Request,
     jobs: JobsDep,
-    last_event_id: Annotated[
-        str | None, Query(description="Resume after this id (as Last-Event-ID).")
-    ] = None,
-    last_event_id_header: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+    resume: ResumeDep,
 ) -> StreamingResponse:
     """GET /queues' body as a server-sent event at connect and whenever it changes."""
     tracker = _tracker(request)
-    resume = _resume_from(last_event_id_header, last_event_id)
 
     async def messages() -> AsyncIterator[bytes]:
-        sent = resume
+        sent = resume.id
         while True:
             version, body = await tracker.latest(jobs)
             if str(version) != sent:
