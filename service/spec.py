@@ -228,6 +228,28 @@ class ElasticWorkers(Strict):
         return self
 
 
+class FsdpUnits(StrEnum):
+    """How `strategy: fsdp` groups the parameters into units (one all-gather and one reduce-scatter each)."""
+
+    BLOCKS = "blocks"  # each transformer block its own unit, then the root: the lowest peak memory
+    MODEL = "model"  # the whole model one unit: the fewest collectives, full parameters during a pass
+
+
+class FsdpSpec(Strict):
+    """FSDP2 choices (`strategy: fsdp` with more than one worker; one worker has nothing to shard)."""
+
+    units: FsdpUnits = Field(
+        default=FsdpUnits.BLOCKS,
+        description="'blocks': every transformer block is its own unit (only one block's full parameters "
+        "exist at a time); 'model': one unit (fewer, larger collectives; faster for small models).",
+    )
+    reshard_after_forward: bool = Field(
+        default=True,
+        description="Free each unit's gathered parameters after forward and gather them again in backward "
+        "(less memory); false keeps them until backward (one all-gather per unit and step fewer).",
+    )
+
+
 class JobSpec(Strict):
     """A distributed training job, as a user submits it (JSON or YAML)."""
 
@@ -242,7 +264,12 @@ class JobSpec(Strict):
     )
     resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
     strategy: Strategy = Strategy.DDP
-    precision: Literal["fp32", "bf16"] = Field(default="fp32", description="bf16 = autocast (CPU too).")
+    fsdp: FsdpSpec = Field(default_factory=FsdpSpec, description="FSDP2 choices, for strategy fsdp.")
+    precision: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="bf16: with ddp, autocast (CPU too); with fsdp, FSDP2's mixed precision (bf16 "
+        "parameters for compute, fp32 gradient reduction and fp32 sharded parameters and optimizer state).",
+    )
     dataset: DatasetSpec
     max_steps: int = Field(ge=1)
     batch_size: int = Field(ge=1, description="Samples per worker per step.")

@@ -136,7 +136,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             data_wait_s = time.perf_counter() - step_started
             telemetry.progress("compute")
 
-            with autocast(spec.precision, device=device):
+            with autocast(spec.precision, device=device, model=parts.model):
                 loss = trainer.loss(parts.model, batch)
             forward_s = time.perf_counter() - step_started - data_wait_s
             parts.optimizer.zero_grad(set_to_none=True)
@@ -240,7 +240,12 @@ class _Worker:
             spec = self.request.spec
             torch.manual_seed(spec.seed)
             model = parallelize(
-                self.trainer.build_model(self.dataset.row_shape), strategy=spec.strategy, device=self.device
+                self.trainer.build_model(self.dataset.row_shape),
+                strategy=spec.strategy,
+                device=self.device,
+                fsdp=spec.fsdp,
+                precision=spec.precision,
+                max_workers=spec.max_workers,
             )
             optimizer, lr_schedule = self.trainer.build_optimizer(model, max_steps=spec.max_steps)
             parts = TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule)

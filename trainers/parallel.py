@@ -2,18 +2,25 @@
 
 - `ddp`: every rank holds the whole model and optimizer state; `DistributedDataParallel`
   all-reduces the gradients in `backward()`.
-- `fsdp`: PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`). Every transformer block is its
-  own unit, then the root takes what is left (embeddings, final norm, head): each rank keeps
-  1/N of every parameter (and so of the optimizer state), and a unit's full parameters exist only
-  while it runs forward or backward. Wrapped here rather than with Ray's
-  `prepare_model(parallel_strategy="fsdp")`, which refuses CPU; FSDP2 works with gloo.
+- `fsdp`: PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`). With `fsdp.units: blocks` every
+  transformer block is its own unit, then the root takes what is left (embeddings, final norm,
+  head); with `model` the whole model is one unit. Each rank keeps 1/N of every parameter (and so
+  of the optimizer state), and a unit's full parameters exist only while it runs forward or
+  backward (`fsdp.reshard_after_forward: false` keeps them from forward to backward). Wrapped here
+  rather than with Ray's `prepare_model(parallel_strategy="fsdp")`, which refuses CPU; FSDP2 works
+  with gloo. A job of exactly one worker has nothing to shard: its model runs unwrapped, as DDP's
+  single rank does (an elastic job that may grow is sharded even at one worker, so that its
+  checkpoints keep one layout whatever its size).
 
 This module depends on torch only (not Ray), so the same wrapping runs under Ray Train, in a plain
 `torch.distributed` script (benchmarks/fsdp_memory.py) and in tests.
 
-Precision (`JobSpec.precision`): `fp32`, or `bf16` = `torch.autocast(device_type, torch.bfloat16)`
-around forward and loss. Parameters, gradients and optimizer state stay fp32 (autocast casts the
-inputs of matmuls), so a checkpoint is the same whatever the precision.
+Precision (`JobSpec.precision`): `fp32`, or `bf16`. Unsharded, bf16 is
+`torch.autocast(device_type, torch.bfloat16)` around forward and loss. Sharded, it is FSDP2's
+`MixedPrecisionPolicy` as its authors recommend: each unit gathers its parameters in bf16 and
+computes in bf16, gradients are reduced in fp32, and the model's output comes back in fp32 for the
+loss (`autocast` then does nothing). Either way the stored parameters, gradients and optimizer state
+stay fp32, so a checkpoint is the same whatever the precision.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from service.spec import Strategy
+from service.spec import FsdpSpec, FsdpUnits, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +66,21 @@ def gather_values(values: Sequence[float], *, device: torch.device) -> list[list
     return [row.tolist() for row in gathered]
 
 
-def parallelize(model: nn.Module, *, strategy: Strategy, device: torch.device) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    *,
+    strategy: Strategy,
+    device: torch.device,
+    fsdp: FsdpSpec | None = None,
+    precision: str = "fp32",
+    max_workers: int | None = None,
+) -> nn.Module:
     """Move `model` to `device` and wrap it for `strategy` over the default process group.
 
-    Without a process group (or with one rank for DDP) the model is only moved: there is nothing to
-    synchronize. Call before building the optimizer: FSDP replaces the parameters by sharded ones.
+    Without a process group, or with one rank, the model is only moved: there is nothing to synchronize
+    or shard (FSDP: only when the job never has more than one worker, `max_workers` 1, so that a job
+    keeps one checkpoint layout whatever its size). Call before building the optimizer: FSDP replaces
+    the parameters by sharded ones.
     """
     if device.type == "cuda":
         # FSDP's device mesh and NCCL use the current device, which must be this rank's GPU.
@@ -75,23 +92,43 @@ def parallelize(model: nn.Module, *, strategy: Strategy, device: torch.device) -
                 "strategy fsdp without a torch.distributed process group: the model is not sharded"
             )
             return model
-        return shard_model(model, device=device)
+        if dist.get_world_size() == 1 and max_workers == 1:
+            logger.info("strategy fsdp on one worker: nothing to shard, the model runs unwrapped")
+            return model
+        return shard_model(model, device=device, options=fsdp or FsdpSpec(), precision=precision)
     if not is_distributed() or dist.get_world_size() == 1:
         return model
     return nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
 
-def shard_model(model: nn.Module, *, device: torch.device) -> nn.Module:
-    """FSDP2 over all ranks of the default group: each block of `model.blocks` (if any), then the root."""
+def shard_model(
+    model: nn.Module, *, device: torch.device, options: FsdpSpec | None = None, precision: str = "fp32"
+) -> nn.Module:
+    """FSDP2 over all ranks of the default group: with `units: blocks` each block of `model.blocks`
+    (if any) first, then the root; bf16 as FSDP2's mixed precision (see the module's docstring)."""
     # Imported here: FSDP and DTensor slow every worker's start, and DDP needs neither.
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    options = options or FsdpSpec()
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
+    if precision == "bf16":
+        # Compute in bf16, reduce gradients in fp32; the root hands its output back in fp32 (the loss).
+        inner = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        root = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+        )
+    elif precision == "fp32":
+        inner = root = MixedPrecisionPolicy()
+    else:
+        raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
     blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList):
+    if options.units is FsdpUnits.BLOCKS and isinstance(blocks, nn.ModuleList):
         for block in blocks:
-            fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(
+                block, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=inner
+            )
+    # The root's parameters are gathered again at once for backward: resharding them saves nothing.
+    fully_shard(model, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=root)
     return model
 
 
@@ -112,9 +149,10 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def autocast(precision: str, *, device: torch.device) -> Iterator[None]:
-    """Run the enclosed forward and loss at `precision` ("fp32" does nothing, "bf16" autocasts)."""
-    if precision == "fp32":
+def autocast(precision: str, *, device: torch.device, model: nn.Module | None = None) -> Iterator[None]:
+    """Run the enclosed forward and loss of `model` at `precision` ("fp32" does nothing, "bf16"
+    autocasts, unless `model` is sharded: FSDP's mixed precision policy already computes in bf16)."""
+    if precision == "fp32" or (precision == "bf16" and model is not None and is_sharded(model)):
         yield
         return
     if precision != "bf16":

@@ -6,9 +6,11 @@ which shows the same code Ray Train runs without a cluster's start-up cost.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import FSDPModule
 
-from service.spec import JobSpec, Strategy
+from service.spec import FsdpSpec, JobSpec, Strategy
 from trainers.checkpoint import (
     SHARDED_DIR,
     STATE_FILE,
@@ -213,16 +216,67 @@ def test_full_checkpoint_refuses_an_fsdp_model(tmp_path: Path) -> None:
         row_shape=ROW_SHAPE,
         rng=[capture_rng_state()],
     )
+    with world_of_one():
+        sharded = build_parts(spec.model_copy(update={"strategy": Strategy.FSDP}), wrap=True)
+        assert is_sharded(sharded.model)
+        with pytest.raises(ValueError, match="resume it with that strategy"):
+            restore_checkpoint(tmp_path, sharded)
+
+
+@contextlib.contextmanager
+def world_of_one() -> Iterator[None]:
+    """A gloo process group of this process alone (what Ray Train gives a job of one worker)."""
     with tempfile.TemporaryDirectory() as folder:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         dist.init_process_group("gloo", init_method=Path(folder, "rendezvous").as_uri(), rank=0, world_size=1)
         try:
-            sharded = build_parts(spec.model_copy(update={"strategy": Strategy.FSDP}), wrap=True)
-            assert is_sharded(sharded.model)
-            with pytest.raises(ValueError, match="resume it with that strategy"):
-                restore_checkpoint(tmp_path, sharded)
+            yield
         finally:
             dist.destroy_process_group()
+
+
+def test_fsdp_shards_nothing_for_one_worker_and_its_options_shape_the_units() -> None:
+    def gpt() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return builtin_trainer(gpt_spec()).build_model(ROW_SHAPE)
+
+    fsdp_module = FSDPModule
+    with world_of_one():
+        # A job that never has more than one worker: nothing to shard, nothing to pay for it.
+        alone = parallelize(gpt(), strategy=Strategy.FSDP, device=CPU, max_workers=1)
+        assert not is_sharded(alone)
+        # An elastic job at one worker is sharded still: its checkpoints keep one layout.
+        grows = parallelize(gpt(), strategy=Strategy.FSDP, device=CPU, max_workers=2)
+        assert is_sharded(grows) and all(isinstance(b, fsdp_module) for b in grows.blocks)
+        # units: model, one unit: the blocks are plain modules inside the root's.
+        whole = parallelize(
+            gpt(), strategy=Strategy.FSDP, device=CPU, fsdp=FsdpSpec(units="model"), max_workers=2
+        )
+        assert is_sharded(whole) and not any(isinstance(b, fsdp_module) for b in whole.blocks)
+
+        # bf16 as FSDP2's mixed precision: bf16 compute, fp32 output for the loss, fp32 shards kept;
+        # autocast stands aside for a sharded model.
+        spec = gpt_spec(strategy="fsdp", precision="bf16")
+        trainer = builtin_trainer(spec)
+        model = parallelize(gpt(), strategy=Strategy.FSDP, device=CPU, precision="bf16", max_workers=2)
+        optimizer, _ = trainer.build_optimizer(model, max_steps=spec.max_steps)
+        tokens = batch_for(0, rank=0, world_size=1)["tokens"]
+        seen: list[torch.dtype] = []
+        handle = model.blocks[0].attn.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+        losses = []
+        for step in range(30):
+            with autocast(spec.precision, device=CPU, model=model):
+                assert not torch.is_autocast_enabled("cpu")
+                logits = model(tokens[:, :-1])
+                loss = trainer.loss(model, batch_for(step % 4, rank=0, world_size=1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        handle.remove()
+        assert logits.dtype == torch.float32 and seen[0] == torch.bfloat16
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # the shards stay fp32
+        assert losses[-1] < losses[0] - 1.0, losses
 
 
 def test_bf16_autocast_trains_on_cpu() -> None:
