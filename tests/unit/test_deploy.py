@@ -23,6 +23,7 @@ from sqlalchemy.engine import make_url
 
 from api.cli import app
 from service.settings import Settings
+from service.spec import JobSpec, parse_spec_text
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -255,3 +256,17 @@ def test_settings_read_docker_secret_files_under_the_environment(
     settings = Settings(_secrets_dir=tmp_path)  # type: ignore[call-arg]
     assert settings.ray_auth_token is not None
     assert settings.ray_auth_token.get_secret_value() == "from-the-environment"
+
+
+def test_the_readmes_first_cluster_job_is_a_valid_spec_and_its_commands_parse() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Run on a cluster") :]
+    spec_text = section.split("cat > job.yaml <<'YAML'\n", 1)[1].split("YAML\n", 1)[0]
+    spec = JobSpec.model_validate(parse_spec_text(spec_text))
+    assert spec.dataset.uri == "s3://datasets/demo-tokens"  # the bucket compose creates
+    lines = [line.split("#")[0].strip() for line in section.split("```")[1].splitlines()]
+    apiary_lines = [shlex.split(line) for line in lines if "apiary " in line and "python -c" not in line]
+    assert len(apiary_lines) == 2
+    for words in apiary_lines:
+        start = next(i for i, word in enumerate(words) if word.endswith("apiary"))
+        _parse(typer.main.get_command(app), words[start + 1 :])
