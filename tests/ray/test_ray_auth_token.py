@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from service.cluster import LocalRay
@@ -44,6 +45,10 @@ def test_the_service_reaches_a_token_auth_cluster_with_its_token_only(tmp_path: 
     cluster = LocalRay.start_or_reuse(data_dir=tmp_path / "ray-data", num_cpus=1)
     try:
         token = cluster.auth_token_path.read_text().strip()
+        # The compose stack's health check of the head needs no token; the Jobs API does.
+        assert httpx.get(f"{cluster.dashboard_url}/api/gcs_healthz", timeout=10).status_code == 200
+        assert httpx.get(f"{cluster.dashboard_url}/api/jobs/", timeout=10).status_code == 401
+
         good = _probe(cluster.dashboard_url, token, tmp_path)
         assert good.returncode == 0, good.stdout + good.stderr
         assert "alive nodes: 1 jobs: []" in good.stdout
