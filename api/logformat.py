@@ -43,7 +43,9 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(log_format: str, *, level: int = logging.INFO) -> None:
-    """Route every logger (uvicorn's too, see `api.server.serve`) through one stderr handler."""
+    """Route every logger (uvicorn's too, see `api.server.serve`) through one stderr handler. Like
+    `logging.basicConfig`, a no-op where the root logger already has handlers (an embedding program,
+    pytest)."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    logging.basicConfig(level=level, handlers=[handler])
