@@ -13,11 +13,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from api import cli_jobs, server
+from api import cli_db, cli_jobs, server
 from api.app import create_app
 from api.cli_plan import plan_command
 from api.client import ApiaryClientError
 from api.demo import run_demo_job, write_demo_dataset
+from api.logformat import configure_logging
 from service.cluster import free_port
 from service.errors import one_line
 from service.settings import Settings
@@ -40,19 +41,15 @@ def _settings(**overrides: Any) -> Settings:
     return settings
 
 
-def _configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
 @app.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="Interface to listen on [default: 127.0.0.1].")] = None,
     port: Annotated[int | None, typer.Option(help="Port to listen on [default: 8000].")] = None,
 ) -> None:
     """Start the API, the scheduler and (unless APIARY_RAY_ADDRESS is set) a local Ray."""
-    _configure_logging()
     settings = _settings(host=host, port=port)
-    server.serve(create_app(settings), host=settings.host, port=settings.port)
+    configure_logging(settings.log_format)
+    server.serve(create_app(settings), host=settings.host, port=settings.port, log_format=settings.log_format)
 
 
 @app.command()
@@ -195,6 +192,7 @@ def _usage_error(message: str) -> NoReturn:
 
 
 app.command("plan")(plan_command)  # api/cli_plan.py
+cli_db.register(app, load_settings=_settings)  # api/cli_db.py: apiary db upgrade | current
 
 
 def main() -> None:

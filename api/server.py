@@ -45,8 +45,11 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(app: FastAPI, *, host: str, port: int) -> None:
-    DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info"), app).run()
+def serve(app: FastAPI, *, host: str, port: int, log_format: str = "text") -> None:
+    # uvicorn's own text handlers, or none: its loggers then reach the root's JSON handler.
+    log_config = None if log_format == "json" else uvicorn.config.LOGGING_CONFIG
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", log_config=log_config)
+    DrainingServer(config, app).run()
 
 
 class BackgroundServer:

@@ -69,11 +69,18 @@ class ClusterBackend(Protocol):
 
 
 class RayBackend:
-    def __init__(self, dashboard_url: str, *, auth_token_path: Path | None = None) -> None:
+    def __init__(
+        self, dashboard_url: str, *, auth_token_path: Path | None = None, auth_token: str | None = None
+    ) -> None:
+        """`auth_token_path` (the local Ray's file) or `auth_token` (APIARY_RAY_AUTH_TOKEN): the token
+        of a cluster with Ray's token auth, sent as `Authorization: Bearer` on every Jobs and State
+        API call."""
         if auth_token_path is not None:
             # Ray's clients read these from the environment (some of it once, when Ray is first
             # imported): this process talks to this one cluster.
             os.environ.update(auth_env(auth_token_path))
+        elif auth_token is not None:
+            os.environ.update(token_auth_env(auth_token))
         from ray.job_submission import JobSubmissionClient
 
         self.dashboard_url = dashboard_url.rstrip("/")
@@ -383,6 +390,11 @@ def pid_running(pid: int) -> bool:
 def auth_env(token_path: Path) -> dict[str, str]:
     """What Ray's processes and clients need to use a cluster with this token."""
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+
+
+def token_auth_env(token: str) -> dict[str, str]:
+    """The same for a token given as a value (Ray reads RAY_AUTH_TOKEN before RAY_AUTH_TOKEN_PATH)."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
 
 
 def _ensure_auth_token(path: Path) -> Path:

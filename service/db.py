@@ -10,11 +10,14 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
+from service.errors import SchemaOutOfDate
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +45,11 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def alembic_config(engine: Engine) -> Config:
+def alembic_config(engine: Engine | None) -> Config:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
-    config.attributes["engine"] = engine
+    if engine is not None:
+        config.attributes["engine"] = engine
     return config
 
 
@@ -53,6 +57,29 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     """Bring the database schema to `revision` (the service does this at start)."""
     command.upgrade(alembic_config(engine), revision)
     logger.info("database upgraded", extra={"action": "db_upgraded", "revision": revision})
+
+
+def head_revision() -> str:
+    """The newest revision this version of Apiary ships."""
+    head = ScriptDirectory.from_config(alembic_config(None)).get_current_head()
+    assert head is not None, "migrations/versions has one head"
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The revision the database is at; None for an empty (never migrated) database."""
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def require_head(engine: Engine) -> None:
+    """Refuse a schema that is not the one this code expects (when the service does not migrate)."""
+    current, head = current_revision(engine), head_revision()
+    if current != head:
+        raise SchemaOutOfDate(
+            f"the database schema is at revision {current or 'none (empty database)'}, this Apiary "
+            f"needs {head}: run `apiary db upgrade` first (or set APIARY_MIGRATE_ON_START=true)"
+        )
 
 
 class Database:
@@ -69,6 +96,9 @@ class Database:
 
     def upgrade(self) -> None:
         upgrade(self.engine)
+
+    def require_head(self) -> None:
+        require_head(self.engine)
 
     def dispose(self) -> None:
         self.engine.dispose()

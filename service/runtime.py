@@ -11,13 +11,14 @@ from service.errors import ClusterUnavailable
 from service.jobs import JobService
 from service.observability import Metrics
 from service.scheduler import Scheduler
-from service.settings import Settings
+from service.settings import Settings, secret_value
 
 logger = logging.getLogger(__name__)
 
 
 class Runtime:
-    """Start order: database (migrated) → Ray (local or `ray_address`) → scheduler loop.
+    """Start order: database (migrated; only checked with `migrate_on_start` off) → Ray (local or
+    `ray_address`) → scheduler loop.
 
     A local Ray that this service started and that dies is started again (`local_ray_check_s`): its
     jobs' Ray jobs are gone with it, and the scheduler recovers them from their checkpoints on the
@@ -53,7 +54,10 @@ class Runtime:
         self.settings.queues  # noqa: B018 (a bad APIARY_QUEUES_FILE fails here, before anything starts)
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.db = Database(self.settings.resolved_database_url)
-        self.db.upgrade()
+        if self.settings.migrate_on_start:
+            self.db.upgrade()
+        else:  # a deployment's own step (`apiary db upgrade`) migrated, or must have
+            self.db.require_head()
         backend = self._given_backend or self._connect_ray()
         self._jobs = JobService(db=self.db, backend=backend, settings=self.settings, metrics=self.metrics)
         self._scheduler = Scheduler(db=self.db, backend=backend, settings=self.settings, metrics=self.metrics)
@@ -68,7 +72,9 @@ class Runtime:
 
     def _connect_ray(self) -> ClusterBackend:
         if self.settings.ray_address:
-            return RayBackend(self.settings.ray_address)
+            return RayBackend(
+                self.settings.ray_address, auth_token=secret_value(self.settings.ray_auth_token)
+            )
         self.local_ray = LocalRay.start_or_reuse(
             data_dir=self.settings.data_dir, num_cpus=self.settings.local_ray_cpus
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -12,15 +13,26 @@ from service import queues
 from service.planner import DEFAULT_MTBF_S
 from service.queues import QueuesConfig
 
+# Docker's and Kubernetes' secret files: a file named like the variable (`apiary_database_url`,
+# `apiary_ray_auth_token`, `aws_secret_access_key`) holds its value; an environment variable wins.
+SECRETS_DIR = Path("/run/secrets")
+
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="APIARY_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="APIARY_", extra="ignore", secrets_dir=SECRETS_DIR if SECRETS_DIR.is_dir() else None
+    )
 
     data_dir: Path = Field(default=Path("./.apiary"), description="Everything local Apiary writes.")
     database_url: str | None = Field(default=None, description="Default: sqlite:///{data_dir}/apiary.db")
     ray_address: str | None = Field(
         default=None,
         description="Dashboard URL (http://host:8265) of an existing Ray cluster; default: a local one.",
+    )
+    ray_auth_token: SecretStr | None = Field(
+        default=None,
+        description="Token of an existing Ray cluster that runs with token auth (RAY_AUTH_MODE=token); "
+        "the service sends it with every Jobs and State API call. The local Ray makes its own.",
     )
     storage_uri: str | None = Field(
         default=None, description="Checkpoint root; default {data_dir}/checkpoints."
@@ -39,6 +51,16 @@ class Settings(BaseSettings):
         default=True,
         description="Pass the AWS variables above to every job (off when the cluster's nodes have their "
         "own credentials, e.g. an instance role). Ray shows a job's runtime_env to its dashboard's readers.",
+    )
+
+    migrate_on_start: bool = Field(
+        default=True,
+        description="Upgrade the database schema when the service starts. A deployment that migrates "
+        "as its own step (`apiary db upgrade`) sets false: the service then refuses to start on a "
+        "schema that is not at the newest revision.",
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text for people; json for one JSON object per line (log shippers)."
     )
 
     host: str = "127.0.0.1"
@@ -131,12 +153,12 @@ class Settings(BaseSettings):
             return {}
         values = {
             "AWS_ACCESS_KEY_ID": self.aws_access_key_id,
-            "AWS_SECRET_ACCESS_KEY": _secret(self.aws_secret_access_key),
-            "AWS_SESSION_TOKEN": _secret(self.aws_session_token),
+            "AWS_SECRET_ACCESS_KEY": secret_value(self.aws_secret_access_key),
+            "AWS_SESSION_TOKEN": secret_value(self.aws_session_token),
             "AWS_REGION": self.aws_region,
         }
         return {key: value for key, value in values.items() if value}
 
 
-def _secret(value: SecretStr | None) -> str | None:
+def secret_value(value: SecretStr | None) -> str | None:
     return value.get_secret_value() if value is not None else None
