@@ -1,9 +1,11 @@
 """Entrypoint of one training job on the Ray cluster.
 
-The service submits it as a Ray job, with the `LaunchRequest` as JSON in `APIARY_LAUNCH`
-(`service.protocol`):
+The service submits it as a Ray job, with a `LaunchPointer` as JSON in `APIARY_LAUNCH`
+(`service.protocol`); the `LaunchRequest` itself (the spec with it) is in the attempt's handoff folder
+in storage (`service.handoff`):
 
-    APIARY_LAUNCH='{"job_id": 1, "attempt": 1, "spec": {...}, ...}' python -m trainers.launch
+    APIARY_LAUNCH='{"job_id": 1, "attempt": 1, "handoff_uri": "file:///.../job-1/_apiary/attempt-1"}' \
+        python -m trainers.launch
 
 `main()` connects to the job's cluster and calls `run()`, which checks the dataset on the driver
 (footers only), caps the job's Ray Data CPU use at `request.data_cpus` (so data tasks can never take
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import re
 import sys
 import time
@@ -58,6 +59,7 @@ from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
 from service.errors import one_line
+from service.handoff import attempt_token, pointer_from_env, read_launch
 from service.protocol import LAUNCH_ENV_VAR, LaunchRequest, clip_reason, error_line
 from service.spec import BUILTIN_TRAINERS, JobSpec
 from service.storage import checkpoint_uri, resolve_uri
@@ -122,7 +124,11 @@ class ApiaryFailurePolicy(DefaultFailurePolicy):
             f"rank {rank}: {_error_text(error)[:300]}" for rank, error in sorted(failures.items())
         )
         telemetry = Telemetry(
-            url=self.request.telemetry_url, attempt=self.request.attempt, rank=0, close_retry_s=5.0
+            url=self.request.telemetry_url,
+            attempt=self.request.attempt,
+            rank=0,
+            token=attempt_token(),
+            close_retry_s=5.0,
         )
         telemetry.event(
             "worker_failed",
@@ -353,13 +359,17 @@ def _error_text(err: BaseException) -> str:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    raw = os.environ.get(LAUNCH_ENV_VAR)
-    if not raw:
+    try:
+        pointer = pointer_from_env()
+    except (ValueError, ValidationError) as err:
+        return _fail(f"{LAUNCH_ENV_VAR} is not a valid launch pointer: {_error_text(err)}")
+    if pointer is None:
         return _fail(f"{LAUNCH_ENV_VAR} is not set: this entrypoint is started by the Apiary service")
     try:
-        request = LaunchRequest.from_env(raw)
+        request = read_launch(pointer)
     except (ValueError, ValidationError) as err:
-        return _fail(f"{LAUNCH_ENV_VAR} is not a valid launch request: {_error_text(err)}")
+        # Storage may be unreachable for a moment: a new attempt may succeed.
+        return _fail(f"cannot read the launch request: {_error_text(err)}", retryable=True)
     try:
         # Inside a Ray job, RAY_ADDRESS points at the job's cluster and this connects to it.
         ray.init()
