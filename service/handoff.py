@@ -8,9 +8,10 @@ job N, the service writes, under the job's own storage prefix:
     {storage_uri}/job-N/_apiary/attempt-K/report-token   the attempt's report token
 
 and the job's environment carries only a `LaunchPointer` (`service.protocol.LAUNCH_ENV_VAR`): job,
-attempt, that folder and the S3 endpoint to read it with. Every process of the attempt (the driver,
-each Train worker) reads what it needs from there with the storage credentials it already has for
-checkpoints.
+attempt, that folder and the S3 endpoint to read it with. The driver (`trainers.launch`) reads the
+request from there, and hands the pointer on to its Train workers in their loop config
+(`LOOP_CONFIG_KEY`); each reads the token from storage (`loop_token`) with the credentials it already
+has for checkpoints.
 
 The report token is a random secret per attempt; the database keeps only its sha256 (`token_hash`), and
 the control plane takes telemetry for a job only from its current attempt, with that token
@@ -21,12 +22,12 @@ Like `service.spec`, this module needs no SQLAlchemy, FastAPI or Ray: both sides
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import os
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import unquote
 
 import pyarrow.fs as pafs
@@ -37,6 +38,8 @@ from service.storage import checkpoint_uri, resolve_uri
 HANDOFF_DIR = "_apiary"
 LAUNCH_FILE = "launch.json"
 TOKEN_FILE = "report-token"
+# Where a run's handoff pointer is in Ray Train's loop config.
+LOOP_CONFIG_KEY = "handoff"
 
 
 @dataclass(frozen=True)
@@ -122,11 +125,12 @@ def pointer_from_env() -> LaunchPointer | None:
     return LaunchPointer.model_validate_json(raw) if raw else None
 
 
-@functools.cache
-def attempt_token() -> str | None:
-    """The report token of the attempt this process belongs to (read once), or None outside a job."""
-    pointer = pointer_from_env()
-    return read_token(pointer) if pointer is not None else None
+def loop_token(loop_config: dict[str, Any]) -> str | None:
+    """The report token of a worker's attempt: the driver puts the handoff pointer (not the token) in
+    Ray Train's loop config (`LOOP_CONFIG_KEY`), and each worker reads the token from storage. None
+    when the run has no handoff (`trainers.launch.run` called directly)."""
+    pointer = loop_config.get(LOOP_CONFIG_KEY)
+    return read_token(LaunchPointer.model_validate(pointer)) if pointer is not None else None
 
 
 def _write(filesystem: pafs.FileSystem, path: str, data: bytes) -> None:

@@ -59,8 +59,8 @@ from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
 from service.errors import one_line
-from service.handoff import attempt_token, pointer_from_env, read_launch
-from service.protocol import LAUNCH_ENV_VAR, LaunchRequest, clip_reason, error_line
+from service.handoff import LOOP_CONFIG_KEY, pointer_from_env, read_launch, read_token
+from service.protocol import LAUNCH_ENV_VAR, LaunchPointer, LaunchRequest, clip_reason, error_line
 from service.spec import BUILTIN_TRAINERS, JobSpec
 from service.storage import checkpoint_uri, resolve_uri
 from trainers.backend import ProcessGroupConfig
@@ -101,9 +101,12 @@ class ApiaryFailurePolicy(DefaultFailurePolicy):
     `max_failures`, and each retry is posted to the job's telemetry as a `worker_failed` event.
     """
 
-    def __init__(self, failure_config: FailureConfig, *, request: LaunchRequest) -> None:
+    def __init__(
+        self, failure_config: FailureConfig, *, request: LaunchRequest, token: str | None = None
+    ) -> None:
         super().__init__(failure_config)
         self.request = request
+        self.token = token
 
     def make_decision(self, training_failed_error: TrainingFailedError) -> FailureDecision:
         failures = (
@@ -127,7 +130,7 @@ class ApiaryFailurePolicy(DefaultFailurePolicy):
             url=self.request.telemetry_url,
             attempt=self.request.attempt,
             rank=0,
-            token=attempt_token(),
+            token=self.token,
             close_retry_s=5.0,
         )
         telemetry.event(
@@ -167,14 +170,18 @@ class RunResult:
         return int(self.metrics.get("step", 0))
 
 
-def run(request: LaunchRequest) -> RunResult:
+def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunResult:
     """Train one job to `max_steps` on the connected Ray cluster.
+
+    `pointer`: the attempt's handoff (service.handoff), whose report token every post to the control
+    plane carries; None for a run without one (telemetry then goes without a token).
 
     Raises `ValueError` for a job that cannot run as specified (dataset, storage, trainer), found
     before any worker starts, and `TrainingFailed` when training itself failed.
     """
     started = time.monotonic()
     spec = request.spec
+    token = read_token(pointer) if pointer is not None else None
     train_fn = builtin_train_loop if spec.trainer in BUILTIN_TRAINERS else load_custom_trainer(spec.trainer)
     dataset_info = inspect_dataset(spec, s3_endpoint_url=request.s3_endpoint_url)
     storage_path, storage_filesystem = resolve_uri(
@@ -202,10 +209,17 @@ def run(request: LaunchRequest) -> RunResult:
     data_parallel_trainer.create_failure_policy = lambda failure_config: ApiaryFailurePolicy(
         failure_config,  # type: ignore[arg-type]  # Ray's factory is typed with V1's FailureConfig
         request=request,
+        token=token,
     )
     trainer = DataParallelTrainer(
         train_fn,
-        train_loop_config={"request": request.model_dump(mode="json"), "dataset": dataset_info.to_dict()},
+        # The handoff pointer, not the token: Ray Train keeps the loop config; each worker reads the
+        # token from storage (service.handoff.loop_token).
+        train_loop_config={
+            "request": request.model_dump(mode="json"),
+            "dataset": dataset_info.to_dict(),
+            LOOP_CONFIG_KEY: pointer.model_dump(mode="json") if pointer is not None else None,
+        },
         backend_config=ProcessGroupConfig(backend="nccl" if spec.uses_gpu else "gloo"),
         scaling_config=build_scaling_config(spec),
         run_config=ray.train.RunConfig(
@@ -373,7 +387,7 @@ def main() -> int:
     try:
         # Inside a Ray job, RAY_ADDRESS points at the job's cluster and this connects to it.
         ray.init()
-        result = run(request)
+        result = run(request, pointer=pointer)
     except Exception as err:
         logger.error("job %d attempt %d failed:\n%s", request.job_id, request.attempt, traceback.format_exc())
         return _fail(failure_reason(err), retryable=_is_retryable(err))

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from service.protocol import LaunchRequest
+from service.handoff import new_token, write_handoff
+from service.protocol import LaunchRequest, launch_env
 from service.spec import JobSpec
 
 
@@ -37,3 +38,9 @@ def make_request(spec: JobSpec, *, storage: Path | str, run_name: str, **fields:
     return LaunchRequest(
         job_id=1, attempt=1, spec=spec, storage_uri=str(storage), run_name=run_name, **values
     )
+
+
+def launch_environment(request: LaunchRequest) -> dict[str, str]:
+    """The protocol's environment of `python -m trainers.launch` for `request`, as the scheduler sets it
+    up: the request and a report token written to its handoff folder, a pointer in the environment."""
+    return launch_env(write_handoff(request, token=new_token()))

@@ -11,10 +11,12 @@ import pytest
 
 from service.errors import AttemptSuperseded
 from service.handoff import (
-    attempt_token,
+    LOOP_CONFIG_KEY,
     is_own_checkpoint,
     job_prefix,
+    loop_token,
     new_token,
+    pointer_from_env,
     read_launch,
     read_token,
     write_handoff,
@@ -97,11 +99,10 @@ def test_the_launch_request_travels_through_the_handoff_and_the_environment_hold
     assert read_launch(pointer) == request
     assert read_token(pointer) == token
     monkeypatch.setenv(LAUNCH_ENV_VAR, env[LAUNCH_ENV_VAR])
-    attempt_token.cache_clear()
-    try:
-        assert attempt_token() == token
-    finally:
-        attempt_token.cache_clear()
+    assert pointer_from_env() == pointer
+    # The Train workers get the pointer in their loop config and read the token themselves.
+    assert loop_token({LOOP_CONFIG_KEY: pointer.model_dump(mode="json")}) == token
+    assert loop_token({}) is None
     # A pointer to another attempt's folder is not taken.
     with pytest.raises(ValueError, match="holds attempt 2 of job 3, not attempt 5"):
         read_launch(pointer.model_copy(update={"attempt": 5}))
