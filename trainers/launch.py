@@ -287,6 +287,8 @@ def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
                                 (`LaunchRequest.model_validate(loop_config["request"])` gives it
                                 back; the JobSpec, with its free-form `config` dict, is `request.spec`)
         loop_config["dataset"]  what the driver learned of the dataset (`DatasetInfo.from_dict`)
+        loop_config["handoff"]  the attempt's handoff pointer (`service.handoff.loop_token` reads
+                                its report token from it), or None
 
     It reads its shard with `ray.train.get_dataset_shard("train")` and must call
     `ray.train.report` the same number of times on every rank. The function must be importable on
