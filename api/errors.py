@@ -11,13 +11,16 @@ from fastapi.responses import JSONResponse
 
 from service.errors import (
     ApiaryError,
+    AttemptSuperseded,
     ClusterUnavailable,
     IdempotencyKeyReused,
+    InvalidReport,
     InvalidSpec,
     InvalidTransition,
     JobNotFound,
     JobNotStarted,
     LogsNotFound,
+    ReportRefused,
 )
 
 logger = logging.getLogger(__name__)
@@ -30,6 +33,9 @@ STATUS: dict[type[ApiaryError], int] = {
     ClusterUnavailable: 503,
     JobNotStarted: 409,
     LogsNotFound: 404,
+    ReportRefused: 401,
+    AttemptSuperseded: 403,
+    InvalidReport: 422,
 }
 
 

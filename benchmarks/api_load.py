@@ -76,7 +76,10 @@ def serve(*, database_url: str, port: int, data_dir: Path) -> None:
     from service.runtime import Runtime
     from service.settings import Settings
 
-    settings = Settings(data_dir=data_dir, database_url=database_url, port=port)
+    # The dataset lies beside the data dir, in the benchmark's work folder.
+    settings = Settings(
+        data_dir=data_dir, database_url=database_url, port=port, data_roots=str(data_dir.parent)
+    )
     app = create_app(runtime=Runtime(settings, backend=FakeCluster()))
     # One process, as `apiary serve` runs; no access log (a line per request is not what is measured).
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)

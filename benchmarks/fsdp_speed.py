@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.spec import FsdpSpec, JobSpec, Strategy
+from service.spec import FsdpSpec, FsdpUnits, JobSpec, Strategy
 from trainers.parallel import is_sharded, parallelize
 from trainers.registry import builtin_trainer
 
@@ -52,10 +52,10 @@ SIZES = {
 SEQ_LEN = {"small": 64, "large": 128}
 VARIANTS: dict[str, tuple[Strategy, FsdpSpec | None]] = {
     "ddp": (Strategy.DDP, None),
-    "fsdp blocks, reshard": (Strategy.FSDP, FsdpSpec(units="blocks", reshard_after_forward=True)),
-    "fsdp blocks, keep": (Strategy.FSDP, FsdpSpec(units="blocks", reshard_after_forward=False)),
-    "fsdp model, reshard": (Strategy.FSDP, FsdpSpec(units="model", reshard_after_forward=True)),
-    "fsdp model, keep": (Strategy.FSDP, FsdpSpec(units="model", reshard_after_forward=False)),
+    "fsdp blocks, reshard": (Strategy.FSDP, FsdpSpec(units=FsdpUnits.BLOCKS, reshard_after_forward=True)),
+    "fsdp blocks, keep": (Strategy.FSDP, FsdpSpec(units=FsdpUnits.BLOCKS, reshard_after_forward=False)),
+    "fsdp model, reshard": (Strategy.FSDP, FsdpSpec(units=FsdpUnits.MODEL, reshard_after_forward=True)),
+    "fsdp model, keep": (Strategy.FSDP, FsdpSpec(units=FsdpUnits.MODEL, reshard_after_forward=False)),
 }
 
 

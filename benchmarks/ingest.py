@@ -97,7 +97,9 @@ def bench_pipeline(spec: JobSpec, info: DatasetInfo, *, epochs: int) -> dict[str
     results = ray.get(
         [
             # Positional: Ray's typed `.remote` does not take keyword arguments.
-            consume.remote(stream_request(spec).to_env(), info.to_dict(), rank, epochs * per_rank_batches)
+            consume.remote(
+                stream_request(spec).model_dump_json(), info.to_dict(), rank, epochs * per_rank_batches
+            )
             for rank in (0, 1)
         ]
     )

@@ -72,7 +72,9 @@ def time_resume(spec: JobSpec, info: DatasetInfo, *, start_sample: int, naive: b
         ray.get(
             [
                 # Positional: Ray's typed `.remote` does not take keyword arguments.
-                first_batch_s.remote(stream_request(spec).to_env(), info.to_dict(), rank, start_sample, naive)
+                first_batch_s.remote(
+                    stream_request(spec).model_dump_json(), info.to_dict(), rank, start_sample, naive
+                )
                 for rank in (0, 1)
             ]
         )

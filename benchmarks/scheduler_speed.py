@@ -192,7 +192,11 @@ def bench_admission(database_url: str, *, workdir: Path, dataset_uri: str, jobs:
     """(submissions/s, admissions/s) over REST with the scheduler loop running."""
     port = free_port()
     settings = Settings(
-        data_dir=workdir / f"admit-{port}", database_url=database_url, port=port, scheduler_interval_s=0.05
+        data_dir=workdir / f"admit-{port}",
+        database_url=database_url,
+        port=port,
+        scheduler_interval_s=0.05,
+        data_roots=str(workdir),  # the dataset lies in the work folder
     )
     # Room for every job at once: admission is what is measured.
     cluster = FakeCluster(nodes=NODES, node={key: amount * 64 for key, amount in NODE.items()})

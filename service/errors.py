@@ -48,6 +48,18 @@ class IdempotencyKeyReused(ApiaryError):
     """This Idempotency-Key was already used for a different request: use a new key for a new job."""
 
 
+class ReportRefused(ApiaryError):
+    """This report does not carry the report token of the job's current attempt."""
+
+
+class AttemptSuperseded(ApiaryError):
+    """This attempt of the job was given up for a newer one: exit without writing anything more."""
+
+
+class InvalidReport(ApiaryError):
+    """The report names something that is not the job's own."""
+
+
 class ClusterUnavailable(ApiaryError):
     """The Ray cluster cannot be reached right now; try again shortly."""
 

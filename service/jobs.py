@@ -12,7 +12,6 @@ the winner's job. So a job is persisted once per key, whatever the retries.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import math
@@ -25,24 +24,28 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service import logs, repository
+from service.allowlists import check_dataset, check_trainer
 from service.cluster import ClusterBackend, stop_job
 from service.db import Database
 from service.errors import (
+    AttemptSuperseded,
     ClusterUnavailable,
     IdempotencyKeyReused,
+    InvalidReport,
     InvalidSpec,
     InvalidTransition,
+    ReportRefused,
     Unschedulable,
 )
+from service.handoff import is_own_checkpoint, job_prefix, token_matches
 from service.models import Checkpoint, IdempotencyKey, Job, JobEvent, Metric, utcnow
 from service.observability import Gauges, Metrics, RunningJob
 from service.policy import ClusterSnapshot, Gang, capacity_text, fits_empty_cluster
 from service.protocol import GROUP_STARTED, TelemetryBatch, TelemetryReply
 from service.queues import QueueConfig
 from service.settings import Settings
-from service.spec import BUILTIN_TRAINERS, JobSpec, Queue
+from service.spec import JobSpec, Queue
 from service.states import JobState, StopReason
-from service.storage import list_shards
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +144,13 @@ class JobService:
                 if found is not None:
                     return self._replay(session, found, digest)
         spec = self._apply_queue(spec)
-        self._check_trainer(spec)
-        list_shards(
-            spec.dataset.uri, data_format=spec.dataset.format, s3_endpoint_url=self.settings.s3_endpoint_url
+        check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
+        check_dataset(
+            spec.dataset.uri,
+            roots=self.settings.resolved_data_roots,
+            data_format=spec.dataset.format,
+            s3_endpoint_url=self.settings.s3_endpoint_url,
+            timeout_s=self.settings.dataset_check_timeout_s,
         )
         self._check_fits(spec)
         try:
@@ -214,20 +221,21 @@ class JobService:
         self.metrics.job_preempted(queue=job.queue, by="user")
         return job
 
-    def ingest(self, job_id: int, batch: TelemetryBatch) -> TelemetryReply:
+    def ingest(self, job_id: int, batch: TelemetryBatch, *, token: str | None) -> TelemetryReply:
         """Store a trainer rank's telemetry (its metric points, maybe a saved checkpoint); the reply
-        tells the rank whether to checkpoint and stop."""
+        tells the rank whether to checkpoint and stop.
+
+        Only the job's current attempt may report, with its report token (service.handoff), and only a
+        checkpoint under the job's own storage prefix: anything else is refused and changes nothing
+        (`AttemptSuperseded` for an attempt that was given up, `ReportRefused`, `InvalidReport`)."""
         with self.db.session() as session:
             # Locked: two ranks' first posts after a restart must count it once.
             job = repository.get_job(session, job_id, for_update=True)
-            current = batch.attempt == job.attempt
+            self._check_report(job, batch, token=token)
             restarts = job.restarts
-            if current:
-                repository.note_segment(
-                    session, job, segment=batch.segment, resumed_from=_resumed_from(batch)
-                )
+            repository.note_segment(session, job, segment=batch.segment, resumed_from=_resumed_from(batch))
             restarted = job.restarts > restarts
-            current = current and batch.segment >= (job.segment or 0)
+            current = batch.segment >= (job.segment or 0)
             stored = repository.add_metrics(
                 session,
                 job,
@@ -253,15 +261,36 @@ class JobService:
                 repository.set_checkpoint(
                     session, job, step=batch.checkpoint.step, uri=batch.checkpoint.uri, attempt=batch.attempt
                 )
-            # Only the attempt that was told to stop: an older attempt's late post changes nothing.
-            stop = job.state is JobState.PREEMPTING and batch.attempt == job.attempt
-            # A rank of an attempt that was given up (its driver died, the job was resubmitted) may
-            # outlive it for a while: it must not go on writing checkpoints beside the new attempt.
-            superseded = batch.attempt < job.attempt or job.state.is_terminal
+            stop = job.state is JobState.PREEMPTING
+            # A rank of a job that ended (cancelled, failed) may outlive it for a while: it must not go
+            # on writing checkpoints.
+            superseded = job.state.is_terminal
         self.metrics.points_ingested(stored)
         if restarted:
             self.metrics.job_restarted(queue=job.queue)
         return TelemetryReply(stored=stored, stop=stop, superseded=superseded)
+
+    def _check_report(self, job: Job, batch: TelemetryBatch, *, token: str | None) -> None:
+        if batch.attempt < job.attempt:
+            # A rank of an attempt that was given up (its driver died, the job was resubmitted) may
+            # outlive it for a while: it must not go on writing checkpoints beside the new attempt.
+            raise AttemptSuperseded(
+                f"attempt {batch.attempt} of job {job.id} was given up for attempt {job.attempt}: exit"
+            )
+        if batch.attempt != job.attempt or not token_matches(token, job.report_token_hash):
+            raise ReportRefused(
+                f"job {job.id}: telemetry is taken only from its current attempt, with that attempt's "
+                "report token (Authorization: Bearer)"
+            )
+        storage_uri = self.settings.resolved_storage_uri
+        if batch.checkpoint is not None and not is_own_checkpoint(
+            batch.checkpoint.uri, storage_uri=storage_uri, job_id=job.id
+        ):
+            raise InvalidReport(
+                f"checkpoint {batch.checkpoint.uri} is not under job {job.id}'s storage prefix "
+                f"{job_prefix(storage_uri, job.id)}",
+                field="checkpoint.uri",
+            )
 
     def queues(self, *, limit: int = 100, offset: int = 0) -> list[QueueView]:
         try:
@@ -407,19 +436,6 @@ class JobService:
                 field="max_runtime_s",
             )
         return spec
-
-    def _check_trainer(self, spec: JobSpec) -> None:
-        if spec.trainer in BUILTIN_TRAINERS:
-            return
-        module = spec.trainer.split(":", 1)[0]
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise InvalidSpec(
-                f"trainer module {module!r} cannot be imported in Apiary's environment", field="trainer"
-            )
 
     def _check_fits(self, spec: JobSpec) -> None:
         try:

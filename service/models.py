@@ -100,6 +100,9 @@ class Job(Base):
     # Each rank of the current worker group: its last RankStatus (service.protocol), when the service
     # heard from it (`seen`), its own work per step (`own_s`) and whether it is a straggler.
     ranks: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # The sha256 of the current attempt's report token (service.handoff): its telemetry must carry the
+    # token. The token itself is only in the attempt's handoff folder in storage.
+    report_token_hash: Mapped[str | None] = mapped_column(String(64))
 
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan"

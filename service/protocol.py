@@ -2,12 +2,16 @@
 
 Service → job. The scheduler submits each attempt of a job as a Ray job whose entrypoint is
 `entrypoint()` (`python -m trainers.launch`, with the interpreter of Apiary's environment) and whose
-environment is `launch_env(request)`: the `LaunchRequest` as JSON in `APIARY_LAUNCH`, plus the
-settings every process of the job needs.
+environment is `launch_env(pointer)`: a small `LaunchPointer` as JSON in `APIARY_LAUNCH`, plus the
+settings every process of the job needs. The pointer names the attempt's handoff folder in storage,
+which holds the `LaunchRequest` and the attempt's report token (`service.handoff`): neither the spec
+(exec caps one variable at 128 KiB) nor the token is in what Ray stores of the job.
 
 Job → service, two channels:
 - telemetry: every rank posts `TelemetryBatch`es (its per-step metric points, and rank 0 the
-  checkpoint it just saved) to `LaunchRequest.telemetry_url` (`trainers.telemetry`). The
+  checkpoint it just saved) to `LaunchRequest.telemetry_url` (`trainers.telemetry`), with the
+  attempt's report token as `Authorization: Bearer <token>`; a post without it is refused (401), and
+  one of an attempt that was given up gets 403 (`AttemptSuperseded`): its rank exits. The
   `TelemetryReply` carries the control plane's one request back: `stop` (the job was preempted or
   ran out of runtime), on which the ranks checkpoint at their next common step and exit;
 - the end: the Ray job's exit status, and for a failure the last line of its log that starts with
@@ -22,7 +26,6 @@ Like `service.spec`, this module needs no SQLAlchemy, FastAPI or Ray: both sides
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from dataclasses import dataclass
@@ -71,12 +74,14 @@ class LaunchRequest(Strict):
         "{data_trace_dir}/{run_name}/rank-{rank}.jsonl (datasets with an `id` column).",
     )
 
-    def to_env(self) -> str:
-        return self.model_dump_json()
 
-    @classmethod
-    def from_env(cls, value: str) -> LaunchRequest:
-        return cls.model_validate(json.loads(value))
+class LaunchPointer(Strict):
+    """What a job's environment carries (`LAUNCH_ENV_VAR`): where its attempt's handoff is."""
+
+    job_id: int
+    attempt: int = Field(ge=1)
+    handoff_uri: str = Field(description="The attempt's handoff folder (file:// or s3://).")
+    s3_endpoint_url: str | None = None
 
 
 def entrypoint() -> str:
@@ -84,10 +89,10 @@ def entrypoint() -> str:
     return f"{sys.executable} -m {LAUNCH_MODULE}"
 
 
-def launch_env(request: LaunchRequest) -> dict[str, str]:
+def launch_env(pointer: LaunchPointer) -> dict[str, str]:
     """The environment variables of a job's Ray `runtime_env` that carry the protocol."""
     return {
-        LAUNCH_ENV_VAR: request.to_env(),
+        LAUNCH_ENV_VAR: pointer.model_dump_json(),
         "PYTHONUNBUFFERED": "1",
         # Ray Train would chdir every worker into a trial folder; dataset and storage paths are absolute.
         "RAY_CHDIR_TO_TRIAL_DIR": "0",
@@ -126,6 +131,9 @@ class TrainerEvent(Strict):
     message: str = Field(max_length=MAX_REASON_CHARS)
     data: dict[str, float | int | str] = Field(default_factory=dict)
 
+
+# The error name of a 403 reply to telemetry: the attempt was given up (api.errors, trainers.telemetry).
+SUPERSEDED_ERROR = "AttemptSuperseded"
 
 # A rank posts at least this often, with its `RankStatus`, even when it has no new point: the service
 # tells a rank that stopped reporting (a frozen process, a lost node) from one that waits.

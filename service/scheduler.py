@@ -49,6 +49,7 @@ from service import repository
 from service.cluster import ClusterBackend, RayJobStatus, stop_job, submission_prefix
 from service.db import Database
 from service.errors import ClusterUnavailable
+from service.handoff import Handoff, new_token, run_name, token_hash, write_handoff
 from service.jobs import gang_for
 from service.models import Job
 from service.observability import Metrics
@@ -65,11 +66,6 @@ from service.storage import checkpoint_uri
 logger = logging.getLogger(__name__)
 
 LEASE = "scheduler"
-
-
-def run_name(job_id: int) -> str:
-    """The Ray Train run of a job; the same across attempts, so a new attempt finds its checkpoints."""
-    return f"job-{job_id}"
 
 
 def to_time(value: datetime | None) -> float | None:
@@ -248,7 +244,7 @@ class Scheduler:
 
     def _apply(
         self, session: Session, job: Job, status: RayJobStatus, failure: JobFailure | None
-    ) -> LaunchRequest | None:
+    ) -> Handoff | None:
         """Write what Ray's `status` means for `job`; returns the launch of a recovery to submit."""
         move = repository.transition
         stopping = job.state is JobState.PREEMPTING
@@ -317,7 +313,7 @@ class Scheduler:
             )
         return None
 
-    def _recover(self, session: Session, job: Job, *, why: str) -> LaunchRequest | None:
+    def _recover(self, session: Session, job: Job, *, why: str) -> Handoff | None:
         """A job lost to something outside its code: resubmit it from its latest checkpoint, as a new
         attempt, while its failure budget lasts (service.states: recovering)."""
         spec = JobSpec.model_validate(job.spec)
@@ -334,6 +330,7 @@ class Scheduler:
         step = job.latest_checkpoint_step
         attempt = job.attempt + 1
         submission_id = _submission_id(job.id, attempt)
+        token = new_token()
         repository.transition(
             session,
             job,
@@ -348,8 +345,9 @@ class Scheduler:
             ray_submission_id=submission_id,
             failures=job.failures + 1,
             segment=None,
+            report_token_hash=token_hash(token),
         )
-        return self._launch_request(job, spec)
+        return Handoff(request=self._launch_request(job, spec), token=token)
 
     def _finish_stop(self, session: Session, job: Job, *, lost: str | None) -> None:
         """A job told to checkpoint and stop has ended: back to the queue, or failed, or done.
@@ -638,6 +636,7 @@ class Scheduler:
             if job.state is not JobState.QUEUED:
                 return  # cancelled meanwhile
             attempt = job.attempt + 1
+            token = new_token()
             spec = JobSpec.model_validate(job.spec)
             queued_at = to_time(repository.queued_since(session, job_id)) or to_time(job.created_at)
             repository.transition(
@@ -653,8 +652,9 @@ class Scheduler:
                 waiting_reason=None,
                 eta_at=None,
                 segment=None,
+                report_token_hash=token_hash(token),
             )
-            launch = self._launch_request(job, spec)
+            launch = Handoff(request=self._launch_request(job, spec), token=token)
         self.metrics.job_admitted(queue=job.queue, waited_s=time.time() - (queued_at or time.time()))
         self._submit(job_id, launch)
 
@@ -688,12 +688,26 @@ class Scheduler:
             mtbf_basis=mtbf.basis if mtbf else None,
         )
 
-    def _submit(self, job_id: int, launch: LaunchRequest) -> None:
-        """Submit an attempt whose row is committed (admitted or recovering, with its submission id)."""
-        submission_id = launch.submission_id
+    def _submit(self, job_id: int, launch: Handoff) -> None:
+        """Submit an attempt whose row is committed (admitted or recovering, with its submission id).
+
+        Its launch request and report token go to its handoff folder in storage first; a failed write
+        submits nothing, and the next reconcile requeues the job (Ray never saw the submission)."""
+        submission_id = launch.request.submission_id
         assert submission_id is not None
+        try:
+            pointer = write_handoff(launch.request, token=launch.token)
+        except OSError as err:
+            logger.warning(
+                "cannot write the handoff of job %s attempt %s to storage: %s",
+                job_id,
+                launch.request.attempt,
+                err,
+                extra={"action": "handoff_failed", "submission_id": submission_id},
+            )
+            return
         env_vars = {
-            **launch_env(launch),
+            **launch_env(pointer),
             # S3 credentials for the driver, the Train workers and the Ray Data tasks, on every node.
             # They go in the runtime_env only, never in the launch request (which Ray Train logs and
             # stores) nor in any log line here.

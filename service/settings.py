@@ -119,6 +119,19 @@ class Settings(BaseSettings):
         gt=0,
         description="How long an Idempotency-Key of POST /jobs matches its first request (then pruned).",
     )
+    trainer_modules: str = Field(
+        default="",
+        description="Comma-separated module prefixes a custom trainer may come from (e.g. "
+        "'acme.trainers,lab'); empty: only the built-ins (service.allowlists).",
+    )
+    data_roots: str | None = Field(
+        default=None,
+        description="Comma-separated file:///abs/path folders and s3://bucket/prefix prefixes ('s3://': any "
+        "bucket) a dataset may come from; default: the data dir and any s3:// (service.allowlists).",
+    )
+    dataset_check_timeout_s: float = Field(
+        default=10.0, gt=0, description="How long a submission waits for its dataset's listing."
+    )
     data_trace_dir: Path | None = Field(
         default=None,
         description="Debugging aid: every job's ranks append the sample ids of each step under this "
@@ -142,6 +155,16 @@ class Settings(BaseSettings):
     def resolved_public_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
 
+    @property
+    def trainer_module_prefixes(self) -> tuple[str, ...]:
+        return _split(self.trainer_modules)
+
+    @property
+    def resolved_data_roots(self) -> tuple[str, ...]:
+        if self.data_roots is None:
+            return (str(self.data_dir), "s3://")
+        return _split(self.data_roots)
+
     @cached_property
     def queues(self) -> QueuesConfig:
         """The queue configuration (`queues_file` over the defaults); a bad file fails at start-up."""
@@ -162,3 +185,8 @@ class Settings(BaseSettings):
 
 def secret_value(value: SecretStr | None) -> str | None:
     return value.get_secret_value() if value is not None else None
+
+
+def _split(value: str) -> tuple[str, ...]:
+    """A comma-separated setting as its non-empty items."""
+    return tuple(item.strip() for item in value.split(",") if item.strip())

@@ -40,6 +40,14 @@ SHARD_SUFFIXES = {DataFormat.PARQUET: ".parquet", DataFormat.WEBDATASET: ".tar"}
 MANIFEST_NAME = "_manifest.json"
 MANIFEST_VERSION = 1
 _HASH_CHUNK_BYTES = 8 << 20
+# A dataset folder without a manifest is listed one level at a time, up to these bounds: a URI such as
+# file:/// must not walk a whole filesystem.
+MAX_LIST_ENTRIES = 100_000
+MAX_LIST_DEPTH = 16
+
+
+class DatasetMissing(DatasetError):
+    """The dataset does not exist."""
 
 
 def resolve_uri(uri: str, *, s3_endpoint_url: str | None = None) -> tuple[str, pafs.FileSystem]:
@@ -91,11 +99,18 @@ def _s3_filesystem(endpoint_url: str | None) -> pafs.FileSystem:
 
 
 def list_shards(
-    uri: str, *, data_format: DataFormat = DataFormat.PARQUET, s3_endpoint_url: str | None = None
+    uri: str,
+    *,
+    data_format: DataFormat = DataFormat.PARQUET,
+    s3_endpoint_url: str | None = None,
+    max_entries: int = MAX_LIST_ENTRIES,
+    max_depth: int = MAX_LIST_DEPTH,
 ) -> tuple[list[str], pafs.FileSystem]:
     """The shard files at `uri` (one file, or a folder searched recursively), sorted by path.
 
-    Raises `DatasetError` (a ValueError, HTTP 422 at submission) when there are none.
+    Raises `DatasetError` (a ValueError, HTTP 422 at submission) when there are none (`DatasetMissing`
+    when nothing is at `uri`), or when the folder holds more than `max_entries` files and folders or
+    nests deeper than `max_depth`.
 
     With a manifest, the shards are the manifest's (in its order), after checking that its format is
     the job's and that each shard exists with the recorded size (metadata calls only, no data read).
@@ -107,7 +122,7 @@ def list_shards(
     except OSError as err:
         raise DatasetError(f"dataset {uri} cannot be read: {one_line(err)}") from err
     if info.type == pafs.FileType.NotFound:
-        raise DatasetError(f"dataset {uri} does not exist")
+        raise DatasetMissing(f"dataset {uri} does not exist")
     if info.type == pafs.FileType.File:
         return [path], filesystem
     manifest = read_manifest(uri, s3_endpoint_url=s3_endpoint_url)
@@ -119,18 +134,47 @@ def list_shards(
             )
         validate_manifest(manifest, uri=uri, s3_endpoint_url=s3_endpoint_url, verify_checksums=False)
         return [f"{path}/{shard.path}" for shard in manifest.shards], filesystem
-    selector = pafs.FileSelector(path, recursive=True)
     files = sorted(
-        entry.path
-        for entry in filesystem.get_file_info(selector)
-        if entry.type == pafs.FileType.File
-        and entry.path.endswith(suffix)
-        # The same hidden-file rule as pyarrow and Spark: _SUCCESS, .crc and friends are not data.
-        and not any(part.startswith((".", "_")) for part in entry.path[len(path) :].split("/") if part)
+        file
+        for file in _walk_files(uri, path, filesystem, max_entries=max_entries, max_depth=max_depth)
+        if file.endswith(suffix)
     )
     if not files:
         raise DatasetError(f"dataset {uri} has no {suffix} files")
     return files, filesystem
+
+
+def _walk_files(
+    uri: str, root: str, filesystem: pafs.FileSystem, *, max_entries: int, max_depth: int
+) -> list[str]:
+    """The files under folder `root`, one level at a time, skipping hidden ones (the same rule as pyarrow
+    and Spark: `_SUCCESS`, `.crc` and friends are not data, nor is anything in such a folder)."""
+    files: list[str] = []
+    level, seen = [root], 0
+    for _ in range(max_depth + 1):
+        below: list[str] = []
+        for folder in level:
+            try:
+                entries = filesystem.get_file_info(pafs.FileSelector(folder, recursive=False))
+            except OSError as err:
+                raise DatasetError(f"dataset {uri} cannot be read: {one_line(err)}") from err
+            seen += len(entries)
+            if seen > max_entries:
+                raise DatasetError(
+                    f"dataset {uri} holds more than {max_entries} files and folders: write it with a "
+                    "manifest (apiary data shard) or point at a smaller folder"
+                )
+            for entry in entries:
+                if entry.base_name.startswith((".", "_")):
+                    continue
+                if entry.type == pafs.FileType.File:
+                    files.append(entry.path)
+                elif entry.type == pafs.FileType.Directory:
+                    below.append(entry.path)
+        if not below:
+            return files
+        level = below
+    raise DatasetError(f"dataset {uri} nests folders deeper than {max_depth} levels")
 
 
 def is_list_type(data_type: pa.DataType) -> bool:

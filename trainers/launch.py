@@ -1,9 +1,11 @@
 """Entrypoint of one training job on the Ray cluster.
 
-The service submits it as a Ray job, with the `LaunchRequest` as JSON in `APIARY_LAUNCH`
-(`service.protocol`):
+The service submits it as a Ray job, with a `LaunchPointer` as JSON in `APIARY_LAUNCH`
+(`service.protocol`); the `LaunchRequest` itself (the spec with it) is in the attempt's handoff folder
+in storage (`service.handoff`):
 
-    APIARY_LAUNCH='{"job_id": 1, "attempt": 1, "spec": {...}, ...}' python -m trainers.launch
+    APIARY_LAUNCH='{"job_id": 1, "attempt": 1, "handoff_uri": "file:///.../job-1/_apiary/attempt-1"}' \
+        python -m trainers.launch
 
 `main()` connects to the job's cluster and calls `run()`, which checks the dataset on the driver
 (footers only), caps the job's Ray Data CPU use at `request.data_cpus` (so data tasks can never take
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import re
 import sys
 import time
@@ -58,7 +59,8 @@ from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
 from service.errors import one_line
-from service.protocol import LAUNCH_ENV_VAR, LaunchRequest, clip_reason, error_line
+from service.handoff import LOOP_CONFIG_KEY, pointer_from_env, read_launch, read_token
+from service.protocol import LAUNCH_ENV_VAR, LaunchPointer, LaunchRequest, clip_reason, error_line
 from service.spec import BUILTIN_TRAINERS, JobSpec
 from service.storage import checkpoint_uri, resolve_uri
 from trainers.backend import ProcessGroupConfig
@@ -99,9 +101,12 @@ class ApiaryFailurePolicy(DefaultFailurePolicy):
     `max_failures`, and each retry is posted to the job's telemetry as a `worker_failed` event.
     """
 
-    def __init__(self, failure_config: FailureConfig, *, request: LaunchRequest) -> None:
+    def __init__(
+        self, failure_config: FailureConfig, *, request: LaunchRequest, token: str | None = None
+    ) -> None:
         super().__init__(failure_config)
         self.request = request
+        self.token = token
 
     def make_decision(self, training_failed_error: TrainingFailedError) -> FailureDecision:
         failures = (
@@ -122,7 +127,11 @@ class ApiaryFailurePolicy(DefaultFailurePolicy):
             f"rank {rank}: {_error_text(error)[:300]}" for rank, error in sorted(failures.items())
         )
         telemetry = Telemetry(
-            url=self.request.telemetry_url, attempt=self.request.attempt, rank=0, close_retry_s=5.0
+            url=self.request.telemetry_url,
+            attempt=self.request.attempt,
+            rank=0,
+            token=self.token,
+            close_retry_s=5.0,
         )
         telemetry.event(
             "worker_failed",
@@ -161,14 +170,18 @@ class RunResult:
         return int(self.metrics.get("step", 0))
 
 
-def run(request: LaunchRequest) -> RunResult:
+def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunResult:
     """Train one job to `max_steps` on the connected Ray cluster.
+
+    `pointer`: the attempt's handoff (service.handoff), whose report token every post to the control
+    plane carries; None for a run without one (telemetry then goes without a token).
 
     Raises `ValueError` for a job that cannot run as specified (dataset, storage, trainer), found
     before any worker starts, and `TrainingFailed` when training itself failed.
     """
     started = time.monotonic()
     spec = request.spec
+    token = read_token(pointer) if pointer is not None else None
     train_fn = builtin_train_loop if spec.trainer in BUILTIN_TRAINERS else load_custom_trainer(spec.trainer)
     dataset_info = inspect_dataset(spec, s3_endpoint_url=request.s3_endpoint_url)
     storage_path, storage_filesystem = resolve_uri(
@@ -196,10 +209,17 @@ def run(request: LaunchRequest) -> RunResult:
     data_parallel_trainer.create_failure_policy = lambda failure_config: ApiaryFailurePolicy(
         failure_config,  # type: ignore[arg-type]  # Ray's factory is typed with V1's FailureConfig
         request=request,
+        token=token,
     )
     trainer = DataParallelTrainer(
         train_fn,
-        train_loop_config={"request": request.model_dump(mode="json"), "dataset": dataset_info.to_dict()},
+        # The handoff pointer, not the token: Ray Train keeps the loop config; each worker reads the
+        # token from storage (service.handoff.loop_token).
+        train_loop_config={
+            "request": request.model_dump(mode="json"),
+            "dataset": dataset_info.to_dict(),
+            LOOP_CONFIG_KEY: pointer.model_dump(mode="json") if pointer is not None else None,
+        },
         backend_config=ProcessGroupConfig(backend="nccl" if spec.uses_gpu else "gloo"),
         scaling_config=build_scaling_config(spec),
         run_config=ray.train.RunConfig(
@@ -267,6 +287,8 @@ def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
                                 (`LaunchRequest.model_validate(loop_config["request"])` gives it
                                 back; the JobSpec, with its free-form `config` dict, is `request.spec`)
         loop_config["dataset"]  what the driver learned of the dataset (`DatasetInfo.from_dict`)
+        loop_config["handoff"]  the attempt's handoff pointer (`service.handoff.loop_token` reads
+                                its report token from it), or None
 
     It reads its shard with `ray.train.get_dataset_shard("train")` and must call
     `ray.train.report` the same number of times on every rank. The function must be importable on
@@ -353,17 +375,21 @@ def _error_text(err: BaseException) -> str:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    raw = os.environ.get(LAUNCH_ENV_VAR)
-    if not raw:
+    try:
+        pointer = pointer_from_env()
+    except (ValueError, ValidationError) as err:
+        return _fail(f"{LAUNCH_ENV_VAR} is not a valid launch pointer: {_error_text(err)}")
+    if pointer is None:
         return _fail(f"{LAUNCH_ENV_VAR} is not set: this entrypoint is started by the Apiary service")
     try:
-        request = LaunchRequest.from_env(raw)
+        request = read_launch(pointer)
     except (ValueError, ValidationError) as err:
-        return _fail(f"{LAUNCH_ENV_VAR} is not a valid launch request: {_error_text(err)}")
+        # Storage may be unreachable for a moment: a new attempt may succeed.
+        return _fail(f"cannot read the launch request: {_error_text(err)}", retryable=True)
     try:
         # Inside a Ray job, RAY_ADDRESS points at the job's cluster and this connects to it.
         ray.init()
-        result = run(request)
+        result = run(request, pointer=pointer)
     except Exception as err:
         logger.error("job %d attempt %d failed:\n%s", request.job_id, request.attempt, traceback.format_exc())
         return _fail(failure_reason(err), retryable=_is_retryable(err))

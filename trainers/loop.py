@@ -59,6 +59,7 @@ import ray.train.torch
 import ray.util
 import torch
 
+from service.handoff import loop_token
 from service.protocol import GROUP_STARTED, LaunchRequest
 from service.spec import AnomalyAction, JobSpec
 from trainers.anomaly import Anomaly, AnomalyDetector, decide, encode
@@ -101,7 +102,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         telemetry = stack.enter_context(
-            Telemetry(url=request.telemetry_url, attempt=request.attempt, rank=rank)
+            Telemetry(
+                url=request.telemetry_url, attempt=request.attempt, rank=rank, token=loop_token(loop_config)
+            )
         )
         _join_group(telemetry, device=device)
         checkpointer = stack.enter_context(

@@ -9,7 +9,9 @@ sooner when 200 points are waiting, and `close()` posts the rest. Rank 0 also ca
 carries the attempt and the worker group's `segment` (`service.protocol.TelemetryBatch`), set once
 the ranks agreed on it. Until `start()` (or `with`), nothing is posted but by an explicit
 `flush()`. A reply that says `stop` (the job was preempted or ran out of runtime) sets
-`stop_requested`, which the train loop reads every step.
+`stop_requested`, which the train loop reads every step. Every post carries the attempt's report
+token (`service.handoff`) as `Authorization: Bearer`; a 403 `AttemptSuperseded` reply (the attempt was
+given up for a newer one) makes the rank exit at once, like a reply that says `superseded`.
 
 A NaN or infinite value is left out of its point (with a warning): the JSON of a TelemetryBatch
 cannot carry it, and the control plane would refuse the whole batch.
@@ -38,6 +40,7 @@ from pydantic import ValidationError
 
 from service.protocol import (
     HEARTBEAT_S,
+    SUPERSEDED_ERROR,
     CheckpointRecord,
     MetricPoint,
     RankStatus,
@@ -74,6 +77,7 @@ class Telemetry:
         url: str | None,
         attempt: int,
         rank: int,
+        token: str | None = None,
         flush_interval_s: float = 1.0,
         flush_points: int = 200,
         max_buffered_points: int = 50_000,
@@ -104,7 +108,10 @@ class Telemetry:
         self._failing = False
         self._non_finite_seen: set[str] = set()
         self.dropped_points = 0
-        self._client = httpx.Client(timeout=timeout_s) if url else None
+        headers = {"content-type": "application/json"}
+        if token is not None:
+            headers["authorization"] = f"Bearer {token}"
+        self._client = httpx.Client(timeout=timeout_s, headers=headers) if url else None
         self._thread: threading.Thread | None = None
 
     def start(self) -> Telemetry:
@@ -255,11 +262,7 @@ class Telemetry:
             logger.debug("no telemetry URL: %d points not sent", len(batch.points))
             return True
         try:
-            response = self._client.post(
-                self.url,
-                content=batch.model_dump_json(),
-                headers={"content-type": "application/json"},
-            )
+            response = self._client.post(self.url, content=batch.model_dump_json())
         except httpx.HTTPError as err:
             self._note_failure(f"{type(err).__name__}: {err}", batch)
             return False
@@ -269,6 +272,8 @@ class Telemetry:
                 self._failing = False
             self._read_reply(response)
             return True
+        if response.status_code == 403 and _error_name(response) == SUPERSEDED_ERROR:
+            self._exit_superseded()
         if response.status_code >= 500 or response.status_code in (408, 429):
             self._note_failure(f"HTTP {response.status_code}", batch)
             return False
@@ -287,15 +292,18 @@ class Telemetry:
         except ValidationError:
             return  # an older control plane, or a bare test server: nothing asked
         if reply.superseded:
-            # The control plane resubmitted the job as a newer attempt (this one's driver died): this
-            # process must not write another checkpoint beside it. Nothing of it is needed any more.
-            logger.error("this attempt (%d) was superseded by a newer one: exiting", self.attempt)
-            for handler in (*logging.getLogger().handlers, *logging.getLogger("trainers").handlers):
-                handler.flush()
-            os._exit(EXIT_SUPERSEDED)
+            self._exit_superseded()
         if reply.stop and not self.stop_requested.is_set():
             logger.warning("the control plane asks this job to checkpoint and stop (preempted)")
             self.stop_requested.set()
+
+    def _exit_superseded(self) -> None:
+        # The control plane gave this attempt up (its driver died and the job was resubmitted, or the
+        # job ended): this process must not write another checkpoint. Nothing of it is needed any more.
+        logger.error("this attempt (%d) was superseded or its job ended: exiting", self.attempt)
+        for handler in (*logging.getLogger().handlers, *logging.getLogger("trainers").handlers):
+            handler.flush()
+        os._exit(EXIT_SUPERSEDED)
 
     def _note_failure(self, reason: str, batch: TelemetryBatch) -> None:
         # Warn once per outage, not once a second for as long as it lasts.
@@ -348,3 +356,12 @@ class Telemetry:
             except Exception:
                 # A telemetry bug must not kill the thread silently and leave points piling up unseen.
                 logger.exception("telemetry flush failed")
+
+
+def _error_name(response: httpx.Response) -> str | None:
+    """The `error` of an API error reply (api.errors), or None for any other body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body.get("error") if isinstance(body, dict) else None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, status
+from typing import Annotated
+
+from fastapi import APIRouter, Header, status
 
 from api.deps import JobsDep
 from service.protocol import TelemetryBatch, TelemetryReply
@@ -10,8 +12,19 @@ from service.protocol import TelemetryBatch, TelemetryReply
 router = APIRouter(prefix="/internal", tags=["internal"])
 
 
+def _bearer(authorization: str | None) -> str | None:
+    scheme, _, token = (authorization or "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
 @router.post("/jobs/{job_id}/telemetry", status_code=status.HTTP_202_ACCEPTED, response_model=TelemetryReply)
-def post_telemetry(job_id: int, batch: TelemetryBatch, jobs: JobsDep) -> TelemetryReply:
-    """A trainer rank's batch of per-step metrics (and maybe its newest checkpoint). Idempotent. The
-    reply says whether the job must checkpoint and stop (it was preempted)."""
-    return jobs.ingest(job_id, batch)
+def post_telemetry(
+    job_id: int,
+    batch: TelemetryBatch,
+    jobs: JobsDep,
+    authorization: Annotated[str | None, Header(max_length=256)] = None,
+) -> TelemetryReply:
+    """A trainer rank's batch of per-step metrics (and maybe its newest checkpoint), with its attempt's
+    report token as `Authorization: Bearer <token>` (401 without it, 403 for an attempt that was given
+    up). Idempotent. The reply says whether the job must checkpoint and stop (it was preempted)."""
+    return jobs.ingest(job_id, batch, token=_bearer(authorization))

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,14 @@ def start_serve(
     port: int | None = None,
 ) -> Served:
     port = port or free_port()
-    env = {**os.environ, "APIARY_DATA_DIR": str(data_dir), "APIARY_DATABASE_URL": database_url, **(env or {})}
+    env = {
+        **os.environ,
+        "APIARY_DATA_DIR": str(data_dir),
+        "APIARY_DATABASE_URL": database_url,
+        # The tests' datasets lie in pytest's temporary folders (or in S3).
+        "APIARY_DATA_ROOTS": f"{tempfile.gettempdir()},s3://",
+        **(env or {}),
+    }
     with log.open("wb") as out:
         process = subprocess.Popen(
             [apiary_bin(), "serve", "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT

@@ -14,6 +14,7 @@ import yaml
 from api.app import create_app
 from api.server import BackgroundServer
 from service.cluster import free_port
+from service.handoff import job_prefix
 from service.runtime import Runtime
 from service.settings import Settings
 from tests.support.fakes import FakeBackend
@@ -38,6 +39,17 @@ class Service:
         body: dict[str, Any] = self.http.get(f"/jobs/{job_id}").json()
         return body
 
+    def report(self, job_id: int, body: dict[str, Any]) -> httpx.Response:
+        """Post telemetry as the job's current attempt does, with its report token (the job must have
+        been admitted: `tick()`)."""
+        return self.http.post(
+            f"/internal/jobs/{job_id}/telemetry", json=body, headers=self.backend.report_headers(job_id)
+        )
+
+    def checkpoint_uri(self, job_id: int, name: str) -> str:
+        """Where the job's trainers would save checkpoint folder `name` (under its storage prefix)."""
+        return job_prefix(self.runtime.settings.resolved_storage_uri, job_id) + name
+
     def count(self) -> int:
         return int(self.http.get("/jobs").json()["count"])
 
@@ -56,7 +68,13 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
             queues_file = tmp_path / "queues.yaml"
             queues_file.write_text(yaml.safe_dump(queues))
         settings = Settings(
-            data_dir=tmp_path / "data", database_url=database_url, port=port, queues_file=queues_file
+            data_dir=tmp_path / "data",
+            database_url=database_url,
+            port=port,
+            queues_file=queues_file,
+            # The tests' datasets lie in their tmp_path; their custom trainer is tests.support's.
+            data_roots=str(tmp_path),
+            trainer_modules="tests.support",
         )
         backend = FakeBackend(nodes=nodes) if nodes is not None else FakeBackend()
         runtime = Runtime(settings, backend=backend, run_scheduler=False)

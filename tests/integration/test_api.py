@@ -75,7 +75,7 @@ def test_the_gang_waits_until_it_fits_and_says_why(service: Service, spec: dict[
     [
         ({"bogus": 1}, "bogus", "Extra inputs"),
         ({"num_workers": 0}, "num_workers", "greater than or equal to 1"),
-        ({"trainer": "no_such_module_xyz:train"}, "trainer", "cannot be imported"),
+        ({"trainer": "no_such_module_xyz:train"}, "trainer", "is not allowed here"),
         ({"dataset": {"uri": "file:///no/such/dataset"}}, "dataset.uri", "does not exist"),
         ({"num_workers": 64, "queue": "full-scale"}, "num_workers", "the cluster has 1 node(s) with 8 CPU"),
         ({"num_workers": 9}, "num_workers", "queue research takes jobs of at most 8 workers"),
@@ -154,19 +154,16 @@ def test_trainer_telemetry_stores_metrics_and_the_latest_checkpoint(
     service: Service, spec: dict[str, Any]
 ) -> None:
     job = service.submit(spec)
+    service.tick()  # admitted: its attempt 1 has a report token
     points = [
         {"step": step, "rank": rank, "time": 1.0 + step, "values": {"loss": 2.0 - step / 10}}
         for step in range(5)
         for rank in (0, 1)
     ]
-    url = f"/internal/jobs/{job['id']}/telemetry"
-    body = {
-        "attempt": 1,
-        "points": points,
-        "checkpoint": {"step": 4, "uri": "file:///ckpt/checkpoint_00000004"},
-    }
-    assert service.http.post(url, json=body).status_code == 202
-    assert service.http.post(url, json=body).status_code == 202  # a re-post after a lost answer
+    checkpoint = service.checkpoint_uri(job["id"], "checkpoint_00000004")
+    body = {"attempt": 1, "points": points, "checkpoint": {"step": 4, "uri": checkpoint}}
+    assert service.report(job["id"], body).status_code == 202
+    assert service.report(job["id"], body).status_code == 202  # a re-post after a lost answer
     metrics = service.http.get(f"/jobs/{job['id']}/metrics").json()
     assert metrics["count"] == 10
     filtered = service.http.get(
@@ -174,10 +171,7 @@ def test_trainer_telemetry_stores_metrics_and_the_latest_checkpoint(
     )
     assert [(p["step"], p["rank"]) for p in filtered.json()["data"]] == [(2, 1), (3, 1)]
     job = service.job(job["id"])
-    assert (job["latest_checkpoint"], job["latest_checkpoint_step"]) == (
-        "file:///ckpt/checkpoint_00000004",
-        4,
-    )
+    assert (job["latest_checkpoint"], job["latest_checkpoint_step"]) == (checkpoint, 4)
 
 
 def test_listing_filters_by_state_and_queue(service: Service, spec: dict[str, Any]) -> None:

@@ -72,7 +72,7 @@ def run_job(
                 "time": time.time(),
                 "values": {"loss": 1 / step, "samples_per_s": 80},
             }
-            service.http.post(f"/internal/jobs/{job_id}/telemetry", json={"attempt": 1, "points": [point]})
+            service.report(job_id, {"attempt": 1, "points": [point]})
             time.sleep(delay_s)
         service.backend.statuses[submission_id] = outcome
         service.tick()

@@ -52,7 +52,7 @@ def names(samples: Samples, name: str) -> list[dict[str, str]]:
 
 
 def telemetry(service: Service, job_id: int, batch: dict[str, Any]) -> None:
-    response = service.http.post(f"/internal/jobs/{job_id}/telemetry", json=batch)
+    response = service.report(job_id, batch)
     assert response.status_code == 202, response.text
 
 

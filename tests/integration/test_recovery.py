@@ -32,7 +32,7 @@ def spec(classification_dataset: str) -> dict[str, Any]:
 
 
 def post(service: Service, job_id: int, batch: dict[str, Any]) -> dict[str, Any]:
-    response = service.http.post(f"/internal/jobs/{job_id}/telemetry", json=batch)
+    response = service.report(job_id, batch)
     assert response.status_code == 202, response.text
     return dict(response.json())
 
@@ -54,7 +54,15 @@ def test_a_dead_driver_is_recovered_from_the_checkpoint_until_the_budget_is_spen
 ) -> None:
     job_id = service.submit(spec)["id"]
     run_to_running(service, [job_id])
-    post(service, job_id, {"attempt": 1, "points": [], "checkpoint": {"step": 40, "uri": "file:///c/40"}})
+    post(
+        service,
+        job_id,
+        {
+            "attempt": 1,
+            "points": [],
+            "checkpoint": {"step": 40, "uri": service.checkpoint_uri(job_id, "c40")},
+        },
+    )
     for failure in (1, 2):
         submission = service.job(job_id)["ray_submission_id"]
         # A SIGKILLed driver: Ray says FAILED, and the log has no apiary-error line.
@@ -66,7 +74,8 @@ def test_a_dead_driver_is_recovered_from_the_checkpoint_until_the_budget_is_spen
         launch = service.backend.submitted[-1][1]
         assert launch.attempt == 1 + failure and launch.failures_left == 2 - failure
         # A rank of the given-up attempt that still posts is told to exit; the new attempt's are not.
-        assert post(service, job_id, {"attempt": failure, "points": []})["superseded"] is True
+        given_up = service.report(job_id, {"attempt": failure, "points": []})
+        assert (given_up.status_code, given_up.json()["error"]) == (403, "AttemptSuperseded")
         assert post(service, job_id, {"attempt": failure + 1, "points": []})["superseded"] is False
         assert any(
             f"its newest complete checkpoint (step 40 when last reported) (failure {failure} of at most 2)"
@@ -185,7 +194,11 @@ def test_a_worker_group_restart_is_counted_and_both_curves_are_kept(
             "points": points(range(1, 8), loss=1.0),
         },
     )
-    post(service, job_id, {"attempt": 1, "points": [], "checkpoint": {"step": 5, "uri": "file:///c/5"}})
+    post(
+        service,
+        job_id,
+        {"attempt": 1, "points": [], "checkpoint": {"step": 5, "uri": service.checkpoint_uri(job_id, "c5")}},
+    )
     # Ray Train restarted the group from step 5: steps 6 and 7 are trained again, in a new segment.
     post(
         service,
@@ -235,7 +248,15 @@ def test_a_job_whose_ranks_make_no_step_is_restarted_from_its_checkpoint_naming_
 ) -> None:
     job_id = service.submit(spec)["id"]
     run_to_running(service, [job_id])
-    post(service, job_id, {"attempt": 1, "points": [], "checkpoint": {"step": 40, "uri": "file:///c/40"}})
+    post(
+        service,
+        job_id,
+        {
+            "attempt": 1,
+            "points": [],
+            "checkpoint": {"step": 40, "uri": service.checkpoint_uri(job_id, "c40")},
+        },
+    )
     long_ago = time.time() - 120
     post(service, job_id, {"attempt": 1, "status": status(0, step=57, step_at=long_ago, phase="sync")})
     post(service, job_id, {"attempt": 1, "status": status(1, step=57, step_at=long_ago, phase="data")})

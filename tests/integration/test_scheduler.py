@@ -63,12 +63,12 @@ def test_full_scale_takes_its_share_back_and_the_preempted_job_resumes_in_its_pl
     assert "preempting job(s)" in service.job(big["id"])["waiting_reason"]
 
     # The victim's trainers hear it in their next telemetry reply...
-    reply = service.http.post(
-        f"/internal/jobs/{victim['id']}/telemetry",
-        json={
+    reply = service.report(
+        victim["id"],
+        {
             "attempt": 1,
             "points": [],
-            "checkpoint": {"step": 40, "uri": "file:///ckpt/checkpoint_00000040"},
+            "checkpoint": {"step": 40, "uri": service.checkpoint_uri(victim["id"], "checkpoint_00000040")},
         },
     ).json()
     assert reply["stop"] is True

@@ -21,13 +21,14 @@ def spec(classification_dataset: str) -> dict[str, Any]:
 
 
 def post_points(service: Service, job_id: int, steps: range, *, attempt: int = 1, segment: int = 0) -> None:
+    """Post points as the job's attempt does (the job was admitted: `tick()`)."""
     points = [
         {"step": step, "rank": rank, "time": 1.0 + step, "values": {"loss": 2.0 - step / 1000}}
         for step in steps
         for rank in (0, 1)
     ]
     body = {"attempt": attempt, "segment": segment, "points": points}
-    response = service.http.post(f"/internal/jobs/{job_id}/telemetry", json=body)
+    response = service.report(job_id, body)
     assert response.status_code == 202, response.text
 
 
@@ -39,13 +40,14 @@ def test_a_job_stream_sends_state_events_and_points_live_then_ends(
     service: Service, spec: dict[str, Any]
 ) -> None:
     job = service.submit(spec)
+    service.tick()  # admitted: its attempt reports
     post_points(service, job["id"], range(3))
     reader = stream(service, f"/jobs/{job['id']}/stream")
     try:
         assert reader.status_code == 200 and reader.content_type.startswith("text/event-stream")
         first = reader.until("metrics")
         assert first[0].event == "state" and first[0].data["id"] == job["id"]
-        assert [m.data["to_state"] for m in first if m.event == "event"] == ["queued"]
+        assert [m.data["to_state"] for m in first if m.event == "event"] == ["queued", "admitted"]
         assert [(p["step"], p["rank"]) for p in first[-1].data["data"]] == [
             (s, r) for s in range(3) for r in (0, 1)
         ]
@@ -70,13 +72,14 @@ def test_a_resumed_job_stream_sends_only_what_came_after_the_last_id(
     service: Service, spec: dict[str, Any]
 ) -> None:
     job = service.submit(spec)
+    service.tick()  # admitted: its attempt reports
     post_points(service, job["id"], range(2))
     service.http.post(f"/jobs/{job['id']}/cancel")
     reader = stream(service, f"/jobs/{job['id']}/stream")
     whole = reader.until("end")
     reader.close()
-    assert [m.event for m in whole] == ["state", "event", "event", "metrics", "end"]
-    after_first_event = whole[1].id
+    assert [m.event for m in whole] == ["state", "event", "event", "event", "metrics", "end"]
+    after_first_event = whole[2].id  # queued, then admitted
 
     # The header (as a browser's EventSource sends it) and the query parameter are the same.
     for resumed in (
@@ -97,6 +100,7 @@ def test_a_resumed_job_stream_sends_only_what_came_after_the_last_id(
 def test_a_stream_sends_only_the_points_that_count(service: Service, spec: dict[str, Any]) -> None:
     """A restarted worker group replays steps: a point replaced by a newer segment's is not sent."""
     job = service.submit(spec)
+    service.tick()  # admitted: its attempt reports
     post_points(service, job["id"], range(4), segment=100)
     post_points(service, job["id"], range(2, 4), segment=200)  # resumed from step 1
     service.http.post(f"/jobs/{job['id']}/cancel")
@@ -160,6 +164,7 @@ def test_the_queues_stream_sends_a_snapshot_then_each_change(service: Service, s
 
 def test_metrics_are_downsampled_in_the_query(service: Service, spec: dict[str, Any]) -> None:
     job = service.submit(spec)
+    service.tick()  # admitted: its attempt reports
     post_points(service, job["id"], range(1000))
     url = f"/jobs/{job['id']}/metrics"
 

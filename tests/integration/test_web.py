@@ -70,7 +70,7 @@ def post_steps(service: Service, job_id: int, steps: range) -> None:
             "pid": 100 + rank,
         }
         body = {"attempt": 1, "points": points, "status": status}
-        assert service.http.post(f"/internal/jobs/{job_id}/telemetry", json=body).status_code == 202
+        assert service.report(job_id, body).status_code == 202
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

@@ -19,9 +19,9 @@ import pytest
 
 from api.demo import token_table, write_shards
 from service.errors import DatasetError
-from service.protocol import LAUNCH_ENV_VAR, LaunchRequest, error_line
+from service.protocol import LaunchRequest, error_line
 from service.sharding import shard_dataset
-from tests.support.jobs import make_request, make_spec
+from tests.support.jobs import launch_environment, make_request, make_spec
 from tests.support.order import rank_row_order
 from trainers.data import ID_COLUMN, inspect_dataset
 from trainers.data_order import Slice
@@ -174,7 +174,7 @@ def test_a_corrupt_shard_fails_before_any_worker_starts(
     assert str(raised.value) == expected
 
     shard.unlink()
-    env = {**os.environ, LAUNCH_ENV_VAR: request.to_env(), "RAY_ADDRESS": ray_cluster}
+    env = {**os.environ, **launch_environment(request), "RAY_ADDRESS": ray_cluster}
     process = subprocess.run(
         [sys.executable, "-m", "trainers.launch"], env=env, capture_output=True, text=True, timeout=120
     )

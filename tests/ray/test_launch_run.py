@@ -19,9 +19,9 @@ import torch
 
 from api.demo import write_shards
 from service.errors import DatasetError
-from service.protocol import LAUNCH_ENV_VAR, error_line
+from service.protocol import error_line
 from tests.support.datasets import write_classes, write_tokens
-from tests.support.jobs import make_request, make_spec
+from tests.support.jobs import launch_environment, make_request, make_spec
 from tests.support.telemetry import TelemetryServer
 from trainers.checkpoint import (
     auto_cadence,
@@ -142,7 +142,7 @@ def test_bad_dataset_fails_before_training_with_a_clear_reason(ray_cluster: str,
     assert str(raised.value) == expected
 
     # The same through the real entrypoint, as the service runs it: exit 1, reason on the last line.
-    env = {**os.environ, LAUNCH_ENV_VAR: request.to_env(), "RAY_ADDRESS": ray_cluster}
+    env = {**os.environ, **launch_environment(request), "RAY_ADDRESS": ray_cluster}
     process = subprocess.run(
         [sys.executable, "-m", "trainers.launch"], env=env, capture_output=True, text=True, timeout=120
     )

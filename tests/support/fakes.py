@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 from service.cluster import RayJobInfo, RayJobStatus
 from service.errors import ClusterUnavailable
+from service.handoff import read_launch, read_token
 from service.policy import ClusterSnapshot, NodeCapacity
-from service.protocol import LAUNCH_ENV_VAR, LAUNCH_MODULE, LaunchRequest
+from service.protocol import LAUNCH_ENV_VAR, LAUNCH_MODULE, LaunchPointer, LaunchRequest
 
 
 @dataclass
@@ -17,6 +18,9 @@ class FakeBackend:
     statuses: dict[str, RayJobStatus] = field(default_factory=dict)
     logs: dict[str, str] = field(default_factory=dict)
     submitted: list[tuple[str, LaunchRequest]] = field(default_factory=list)
+    # Each submission's report token, read from its handoff folder as its trainers would.
+    tokens: dict[str, str] = field(default_factory=dict)
+    environments: dict[str, dict[str, str]] = field(default_factory=dict)
     stopped: list[str] = field(default_factory=list)
     available: bool = True
 
@@ -29,9 +33,10 @@ class FakeBackend:
 
     def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
         assert entrypoint.endswith(f"-m {LAUNCH_MODULE}")
-        self.submitted.append(
-            (submission_id, LaunchRequest.model_validate(json.loads(env_vars[LAUNCH_ENV_VAR])))
-        )
+        pointer = LaunchPointer.model_validate(json.loads(env_vars[LAUNCH_ENV_VAR]))
+        self.submitted.append((submission_id, read_launch(pointer)))
+        self.tokens[submission_id] = read_token(pointer)
+        self.environments[submission_id] = dict(env_vars)
         self.statuses[submission_id] = RayJobStatus.PENDING
 
     def job_info(self, submission_id: str) -> RayJobInfo:
@@ -49,3 +54,8 @@ class FakeBackend:
 
     def submission_of(self, job_id: int) -> str:
         return next(sid for sid, launch in self.submitted if launch.job_id == job_id)
+
+    def report_headers(self, job_id: int) -> dict[str, str]:
+        """The telemetry headers of the job's latest attempt, as its trainers send them."""
+        submission_id = next(sid for sid, launch in reversed(self.submitted) if launch.job_id == job_id)
+        return {"authorization": f"Bearer {self.tokens[submission_id]}"}

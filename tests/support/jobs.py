@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from service.protocol import LaunchRequest
+from service.handoff import new_token, write_handoff
+from service.protocol import LaunchRequest, launch_env
 from service.spec import JobSpec
 
 
@@ -52,3 +53,9 @@ def classification_job(dataset: str, *, name: str, **fields: Any) -> dict[str, A
         "config": {"task": "classification", "num_classes": 3},
         **fields,
     }
+
+
+def launch_environment(request: LaunchRequest) -> dict[str, str]:
+    """The protocol's environment of `python -m trainers.launch` for `request`, as the scheduler sets it
+    up: the request and a report token written to its handoff folder, a pointer in the environment."""
+    return launch_env(write_handoff(request, token=new_token()))

@@ -12,7 +12,9 @@ class TelemetryServer:
     """A real HTTP server on 127.0.0.1 that collects TelemetryBatch posts.
 
     The first `fail_first` posts get `fail_status` (and are not kept), like a control plane that is
-    down for a while. Set `stop` to reply as the control plane does to a preempted job.
+    down for a while. Set `stop` to reply as the control plane does to a preempted job, `refusal` to
+    answer every post with that (status, JSON body). `authorizations` holds each kept post's
+    Authorization header.
     """
 
     def __init__(self, *, fail_first: int = 0, fail_status: int = 503) -> None:
@@ -21,7 +23,9 @@ class TelemetryServer:
         self.attempts = 0
         self.stop = False
         self.superseded = False
+        self.refusal: tuple[int, dict[str, Any]] | None = None
         self.batches: list[dict[str, Any]] = []
+        self.authorizations: list[str | None] = []
         self.lock = threading.Lock()
         server = self
 
@@ -30,9 +34,14 @@ class TelemetryServer:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 with server.lock:
                     server.attempts += 1
+                    if server.refusal is not None:
+                        status, refusal = server.refusal
+                        self._send(status, json.dumps(refusal).encode())
+                        return
                     failing = server.attempts <= server.fail_first
                     if not failing:
                         server.batches.append(json.loads(body))
+                        server.authorizations.append(self.headers.get("authorization"))
                     reply = (
                         b""
                         if failing
@@ -40,7 +49,10 @@ class TelemetryServer:
                             {"stored": 0, "stop": server.stop, "superseded": server.superseded}
                         ).encode()
                     )
-                self.send_response(server.fail_status if failing else 200)
+                self._send(server.fail_status if failing else 200, reply)
+
+            def _send(self, status: int, reply: bytes) -> None:
+                self.send_response(status)
                 self.send_header("content-length", str(len(reply)))
                 self.end_headers()
                 self.wfile.write(reply)

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARED = {
     "service.spec",
     "service.protocol",
+    "service.handoff",  # the attempt's launch request and report token in storage
     "service.storage",
     "service.webdataset",
     "service.errors",

@@ -1,15 +1,33 @@
-"""The service/trainer protocol (`service.protocol`): launch requests and failure reasons."""
+"""The service/trainer protocol (`service.protocol`, `service.handoff`): launch requests, report tokens
+and failure reasons."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
+import pytest
+
+from service.errors import AttemptSuperseded
+from service.handoff import (
+    LOOP_CONFIG_KEY,
+    is_own_checkpoint,
+    job_prefix,
+    loop_token,
+    new_token,
+    pointer_from_env,
+    read_launch,
+    read_token,
+    write_handoff,
+)
 from service.protocol import (
     ERROR_PREFIX,
     LAUNCH_ENV_VAR,
     MAX_REASON_CHARS,
+    SUPERSEDED_ERROR,
     JobFailure,
+    LaunchPointer,
     LaunchRequest,
     entrypoint,
     error_line,
@@ -49,19 +67,62 @@ def test_a_reason_is_one_bounded_line() -> None:
     assert len(failure_from_logs(line, "").reason) == MAX_REASON_CHARS
 
 
-def test_launch_request_round_trips_through_the_job_environment() -> None:
-    spec = make_spec(trainer="gpt", dataset="file:///data/tokens", config={"vocab_size": 64})
+def test_the_launch_request_travels_through_the_handoff_and_the_environment_holds_only_a_pointer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A config far past exec's 128 KiB limit on one environment variable.
+    spec = make_spec(
+        trainer="tests.support.custom_trainer:train",
+        dataset="file:///data/tokens",
+        config={"vocab_size": 64, "note": "x" * 200_000},
+        name="big-config",
+    )
     request = LaunchRequest(
         job_id=3,
-        attempt=1,
+        attempt=2,
         spec=spec,
-        storage_uri="/tmp/ckpt",
+        storage_uri=str(tmp_path / "ckpt"),
         run_name="job-3",
         telemetry_url="http://127.0.0.1:8000/internal/jobs/3/telemetry",
         data_trace_dir="/tmp/trace",
     )
-    env = launch_env(request)
-    assert LaunchRequest.from_env(env[LAUNCH_ENV_VAR]) == request
-    assert json.loads(env[LAUNCH_ENV_VAR])["spec"] == spec.model_dump(mode="json")
+    token = new_token()
+    env = launch_env(write_handoff(request, token=token))
+    assert len(env[LAUNCH_ENV_VAR]) < 1024
+    assert token not in json.dumps(env) and "vocab_size" not in env[LAUNCH_ENV_VAR]
     assert env["RAY_CHDIR_TO_TRIAL_DIR"] == "0"
     assert entrypoint() == f"{sys.executable} -m trainers.launch"
+
+    # Every process of the attempt reads the request and its token from the job's storage prefix.
+    pointer = LaunchPointer.model_validate_json(env[LAUNCH_ENV_VAR])
+    assert pointer.handoff_uri.startswith(job_prefix(request.storage_uri, 3))
+    assert read_launch(pointer) == request
+    assert read_token(pointer) == token
+    monkeypatch.setenv(LAUNCH_ENV_VAR, env[LAUNCH_ENV_VAR])
+    assert pointer_from_env() == pointer
+    # The Train workers get the pointer in their loop config and read the token themselves.
+    assert loop_token({LOOP_CONFIG_KEY: pointer.model_dump(mode="json")}) == token
+    assert loop_token({}) is None
+    # A pointer to another attempt's folder is not taken.
+    with pytest.raises(ValueError, match="holds attempt 2 of job 3, not attempt 5"):
+        read_launch(pointer.model_copy(update={"attempt": 5}))
+
+
+def test_a_checkpoint_is_the_jobs_own_only_under_its_prefix() -> None:
+    own = job_prefix("s3://bucket/runs", 7)
+    assert own == "s3://bucket/runs/job-7/"
+    assert is_own_checkpoint(f"{own}checkpoint_00000010", storage_uri="s3://bucket/runs", job_id=7)
+    for foreign in (
+        "s3://bucket/runs/job-70/checkpoint_00000010",  # another job that shares the digits
+        "s3://elsewhere/job-7/checkpoint_00000010",
+        f"{own}../job-8/checkpoint_00000010",
+        f"{own}%2e%2e/job-8/checkpoint_00000010",
+        f"{own}_apiary/attempt-1",  # the handoffs
+        own,
+    ):
+        assert not is_own_checkpoint(foreign, storage_uri="s3://bucket/runs", job_id=7), foreign
+    assert job_prefix("/data/ckpt", 7) == "file:///data/ckpt/job-7/"
+
+
+def test_the_superseded_error_name_is_the_domain_errors() -> None:
+    assert AttemptSuperseded.__name__ == SUPERSEDED_ERROR

@@ -39,7 +39,7 @@ def test_main_with_an_invalid_request_names_the_field(
     monkeypatch.setenv(LAUNCH_ENV_VAR, '{"job_id": 1}')
     assert main() == 1
     line = last_stderr_line(capsys)
-    assert line.startswith(error_line(f"{LAUNCH_ENV_VAR} is not a valid launch request:"))
+    assert line.startswith(error_line(f"{LAUNCH_ENV_VAR} is not a valid launch pointer:"))
     assert "attempt" in line
 
 

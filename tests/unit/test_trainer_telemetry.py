@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from service.protocol import SUPERSEDED_ERROR
 from tests.support.telemetry import TelemetryServer
 from tests.support.wait import wait_until
 from trainers import telemetry
@@ -183,3 +184,27 @@ def test_a_rank_of_a_superseded_attempt_exits_at_once(
     sender.record(1, {"loss": 1.0})
     sender.flush()
     assert exits == [telemetry.EXIT_SUPERSEDED]
+
+
+def test_posts_carry_the_attempts_report_token(telemetry_server: TelemetryServer) -> None:
+    sender = Telemetry(url=telemetry_server.url, attempt=1, rank=0, token="s3cret")
+    sender.record(1, {"loss": 1.0})
+    assert sender.flush()
+    assert telemetry_server.authorizations == ["Bearer s3cret"]
+
+
+def test_a_rank_told_its_attempt_was_given_up_by_a_403_exits_at_once(
+    telemetry_server: TelemetryServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exits: list[int] = []
+    monkeypatch.setattr(telemetry.os, "_exit", exits.append)
+    telemetry_server.refusal = (403, {"message": "given up", "error": SUPERSEDED_ERROR})
+    sender = Telemetry(url=telemetry_server.url, attempt=1, rank=0, token="old")
+    sender.record(1, {"loss": 1.0})
+    sender.flush()
+    assert exits == [telemetry.EXIT_SUPERSEDED]
+    # Any other refusal (a wrong token) drops the batch and goes on training.
+    exits.clear()
+    telemetry_server.refusal = (401, {"message": "no token", "error": "ReportRefused"})
+    sender.record(2, {"loss": 1.0})
+    assert sender.flush() and exits == [] and sender.dropped_points == 2

@@ -1,0 +1,155 @@
+"""What a job may name at submission: the modules a custom trainer may come from, the places a dataset
+may be read from.
+
+Trainers (`check_trainer`). A custom trainer (`package.module:function`) runs on every worker of the
+cluster, so it must come from a module under one of the operator's prefixes
+(`Settings.trainer_modules`, `APIARY_TRAINER_MODULES`: comma-separated, e.g. `acme.trainers,lab`;
+empty by default: only the built-ins). The module must also be resolvable in Apiary's environment;
+that is found with `importlib.machinery.PathFinder` one package level at a time, which reads folders
+and never imports anything, not even the parent packages (whose `__init__` would run user code in the
+API's process).
+
+Datasets (`check_dataset`). A dataset URI must lie under one of the data roots
+(`Settings.data_roots`, `APIARY_DATA_ROOTS`: comma-separated `file:///abs/path` (or `/abs/path`)
+folders and `s3://bucket/prefix` prefixes, `s3://` for any bucket; default: the data dir and any
+`s3://`). A local path is resolved first (`..`, symlinks), so `file:///data/../etc` is `/etc`. Only
+then is it listed, bounded in files and depth (`service.storage.list_shards`), in a worker thread that
+the request waits for at most `Settings.dataset_check_timeout_s`. "Not allowed" and "not found" give
+the same message, so that the answers cannot be used to map the API host's files.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from importlib.machinery import ModuleSpec, PathFinder
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from service.errors import DatasetError, InvalidSpec
+from service.spec import BUILTIN_TRAINERS, DataFormat
+from service.storage import MAX_LIST_DEPTH, MAX_LIST_ENTRIES, DatasetMissing, list_shards
+
+# Listings of all submissions share these threads: a flood of slow listings waits in line (and times
+# out) instead of starting a thread each.
+_LISTING_THREADS = 4
+_listing_pool = ThreadPoolExecutor(max_workers=_LISTING_THREADS, thread_name_prefix="apiary-dataset-check")
+
+
+# -- trainers -------------------------------------------------------------------------------------------
+
+
+def check_trainer(trainer: str, *, allowed_modules: Sequence[str]) -> None:
+    """Raise `InvalidSpec` (field `trainer`) unless `trainer` is a built-in, or a function of a module
+    under `allowed_modules` that can be found in this environment. Imports nothing."""
+    if trainer in BUILTIN_TRAINERS:
+        return
+    module = trainer.split(":", 1)[0]
+    allowed = any(module == prefix or module.startswith(prefix + ".") for prefix in allowed_modules)
+    if not allowed or _find_module(module) is None:
+        shown = ", ".join(allowed_modules) if allowed_modules else "none"
+        raise InvalidSpec(
+            f"trainer {trainer!r} is not allowed here: a custom trainer must be a module that is "
+            f"installed in Apiary's environment under one of the prefixes of APIARY_TRAINER_MODULES "
+            f"({shown}); built-ins: {', '.join(sorted(BUILTIN_TRAINERS))}",
+            field="trainer",
+        )
+
+
+def _find_module(name: str) -> ModuleSpec | None:
+    """The spec of module `name` as the path finders see it, found without importing any package."""
+    found: ModuleSpec | None = None
+    path: list[str] | None = None
+    parts = name.split(".")
+    for depth in range(1, len(parts) + 1):
+        if depth > 1:
+            if found is None or found.submodule_search_locations is None:
+                return None  # a parent that is a plain module (or missing) has no submodules
+            path = list(found.submodule_search_locations)
+        try:
+            found = PathFinder.find_spec(".".join(parts[:depth]), path)
+        except (ImportError, ValueError):
+            return None
+        if found is None:
+            return None
+    return found
+
+
+# -- datasets -------------------------------------------------------------------------------------------
+
+
+def check_dataset(
+    uri: str,
+    *,
+    roots: Sequence[str],
+    data_format: DataFormat,
+    s3_endpoint_url: str | None,
+    timeout_s: float,
+    max_entries: int = MAX_LIST_ENTRIES,
+    max_depth: int = MAX_LIST_DEPTH,
+) -> None:
+    """Raise `DatasetError` (field `dataset.uri`) unless `uri` lies under one of `roots`, exists and holds
+    shards of `data_format`, as found within `timeout_s` by a bounded listing."""
+    location = _resolved_location(uri)
+    if location is None or not any(_under(location, root) for root in _resolved_roots(roots)):
+        raise _not_available(uri)
+    future = _listing_pool.submit(
+        list_shards,
+        location if location.startswith("s3://") else Path(location).as_uri(),
+        data_format=data_format,
+        s3_endpoint_url=s3_endpoint_url,
+        max_entries=max_entries,
+        max_depth=max_depth,
+    )
+    try:
+        future.result(timeout=timeout_s)
+    except DatasetMissing:
+        raise _not_available(uri) from None
+    except FutureTimeout:
+        future.cancel()
+        raise DatasetError(
+            f"dataset {uri} could not be checked within {timeout_s:g} s: write it with a manifest "
+            "(apiary data shard) or point at a smaller folder"
+        ) from None
+
+
+def _not_available(uri: str) -> DatasetError:
+    # One text for "outside the data roots" and "does not exist": neither tells what is on the host.
+    return DatasetError(
+        f"dataset {uri} does not exist or is not under a data root this Apiary may read (APIARY_DATA_ROOTS)"
+    )
+
+
+def _resolved_location(uri: str) -> str | None:
+    """A local URI as its real absolute path (`..` and symlinks resolved), an S3 URI as itself; None for
+    an S3 key with `.` or `..` segments or anything else (no place a dataset may be)."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        key = parsed.path.rstrip("/")
+        if not parsed.netloc or (key and posixpath.normpath(key) != key) or "//" in key:
+            return None
+        return f"s3://{parsed.netloc}{key}"
+    if parsed.scheme == "file" and parsed.netloc in ("", "localhost"):
+        path = unquote(parsed.path)
+        return os.path.realpath(path) if path.startswith("/") else None
+    return None
+
+
+def _resolved_roots(roots: Sequence[str]) -> list[str]:
+    resolved = []
+    for root in roots:
+        if root.startswith("s3://"):
+            resolved.append(root.rstrip("/") if root != "s3://" else root)
+        else:
+            path = unquote(urlparse(root).path) if root.startswith("file://") else root
+            resolved.append(os.path.realpath(path))
+    return resolved
+
+
+def _under(location: str, root: str) -> bool:
+    if root == "s3://":
+        return location.startswith("s3://")
+    return location == root or location.startswith(root.rstrip("/") + "/")

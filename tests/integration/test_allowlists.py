@@ -1,0 +1,158 @@
+"""What a submission may name (service.allowlists): custom trainers only from APIARY_TRAINER_MODULES,
+found without importing anything; datasets only under APIARY_DATA_ROOTS, resolved first, listed within
+bounds. Every refusal is a 422 naming the field, and writes nothing."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.demo import classification_table, write_shards
+from service import allowlists
+from service.allowlists import check_dataset, check_trainer
+from service.errors import DatasetError, InvalidSpec
+from service.spec import DataFormat
+from tests.integration.conftest import Service
+
+
+@pytest.fixture
+def spec(classification_dataset: str) -> dict[str, Any]:
+    return {
+        "name": "allowlist-test",
+        "trainer": "mlp",
+        "num_workers": 1,
+        "dataset": {"uri": classification_dataset},
+        "max_steps": 10,
+        "batch_size": 8,
+        "config": {"task": "classification", "num_classes": 3},
+    }
+
+
+def refused(service: Service, spec: dict[str, Any], field: str) -> str:
+    """The message of a submission refused with 422 on `field`; checks that nothing was written."""
+    response = service.http.post("/jobs", json=spec)
+    assert response.status_code == 422, response.text
+    body = response.json()
+    assert body["detail"][0]["loc"] == ["body", *field.split(".")], body
+    assert service.count() == 0
+    return str(body["message"])
+
+
+def test_a_custom_trainer_must_come_from_an_allowed_module(service: Service, spec: dict[str, Any]) -> None:
+    # The service of these tests allows `tests.support` (tests/integration/conftest.py).
+    for trainer in (
+        "os:system",
+        "subprocess:run",
+        "tests:anything",  # the parent of an allowed prefix is not allowed
+        "tests.supportive:train",  # a prefix matches whole package names only
+        "tests.support.no_such_module:train",  # allowed, but not installed
+    ):
+        message = refused(service, {**spec, "trainer": trainer}, "trainer")
+        assert message.startswith(f"trainer {trainer!r} is not allowed here"), message
+        assert "APIARY_TRAINER_MODULES (tests.support)" in message
+    assert service.submit({**spec, "trainer": "tests.support.custom_trainer:train"})["state"] == "queued"
+
+
+def test_checking_a_trainer_imports_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "evil_pkg"
+    (package / "sub").mkdir(parents=True)
+    marker = tmp_path / "imported"
+    # Importing the parent package (as importlib.util.find_spec does for a dotted name) would run this.
+    (package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "train.py").write_text("def train(config):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    check_trainer("evil_pkg.sub.train:train", allowed_modules=["evil_pkg"])
+    with pytest.raises(InvalidSpec, match="is not allowed here"):
+        check_trainer("evil_pkg.sub.missing:train", allowed_modules=["evil_pkg"])
+    with pytest.raises(InvalidSpec, match=r"APIARY_TRAINER_MODULES \(none\)"):
+        check_trainer("evil_pkg.sub.train:train", allowed_modules=[])
+    assert not marker.exists() and "evil_pkg" not in sys.modules
+    check_trainer("mlp", allowed_modules=[])  # the built-ins need no allowlist
+
+
+def test_a_dataset_must_lie_under_a_data_root(
+    service: Service, spec: dict[str, Any], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # The data root of these tests' service is its tmp_path. A real dataset outside it...
+    outside = tmp_path_factory.mktemp("elsewhere") / "dataset"
+    write_shards(
+        classification_table(num_rows=32, num_features=8, num_classes=3), outside.as_uri(), num_shards=1
+    )
+    # ... and a link inside the root that points at it.
+    (tmp_path / "link").symlink_to(outside)
+    inside = Path(spec["dataset"]["uri"].removeprefix("file://"))
+    messages = {
+        uri: refused(service, {**spec, "dataset": {"uri": uri}}, "dataset.uri")
+        for uri in (
+            "file:///",
+            "file:///etc",
+            "file:///etc/../etc",
+            f"file://{inside}/../../{outside.parent.name}/dataset",
+            outside.as_uri(),
+            (tmp_path / "link").as_uri(),
+            (tmp_path / "no-such-dataset").as_uri(),  # inside, but missing: the same answer
+        )
+    }
+    for uri, message in messages.items():
+        assert message == (
+            f"dataset {uri} does not exist or is not under a data root this Apiary may read "
+            "(APIARY_DATA_ROOTS)"
+        )
+    # A path that only passes through `..` inside the root is fine.
+    fine = f"file://{inside}/../{inside.name}"
+    assert service.submit({**spec, "dataset": {"uri": fine}})["state"] == "queued"
+
+
+def check(uri: str, roots: list[str], *, timeout_s: float = 5, **bounds: int) -> None:
+    """`check_dataset` of a parquet dataset without an S3 endpoint."""
+    check_dataset(
+        uri, roots=roots, data_format=DataFormat.PARQUET, s3_endpoint_url=None, timeout_s=timeout_s, **bounds
+    )
+
+
+def test_s3_roots_and_keys(tmp_path: Path) -> None:
+    for uri, roots in (
+        ("s3://other-bucket/data", ["s3://datasets"]),
+        ("s3://datasets-2/data", ["s3://datasets"]),
+        ("s3://datasets/team-b/data", ["s3://datasets/team-a"]),
+        ("s3://datasets/team-a/../team-b", ["s3://datasets/team-a"]),
+        ("s3://datasets/data", [str(tmp_path)]),
+    ):
+        with pytest.raises(DatasetError, match="is not under a data root"):
+            check(uri, roots)
+
+
+def test_a_listing_is_bounded_in_entries_and_depth(tmp_path: Path) -> None:
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    for index in range(30):
+        (wide / f"part-{index}.parquet").write_bytes(b"")
+    deep = tmp_path / "deep"
+    (deep / "a" / "b" / "c" / "d").mkdir(parents=True)
+
+    roots = [str(tmp_path)]
+    with pytest.raises(DatasetError, match="holds more than 10 files and folders"):
+        check(wide.as_uri(), roots, max_entries=10)
+    with pytest.raises(DatasetError, match="nests folders deeper than 2 levels"):
+        check(deep.as_uri(), roots, max_depth=2)
+    with pytest.raises(DatasetError, match=r"has no \.parquet files"):
+        check(deep.as_uri(), roots)
+
+
+def test_a_slow_listing_times_out_off_the_request_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def hung(*args: Any, **kwargs: Any) -> None:
+        time.sleep(2)  # a hung network filesystem
+
+    monkeypatch.setattr(allowlists, "list_shards", hung)
+    started = time.monotonic()
+    with pytest.raises(DatasetError, match=r"could not be checked within 0\.3 s"):
+        check(tmp_path.as_uri(), [str(tmp_path)], timeout_s=0.3)
+    assert time.monotonic() - started < 1.5
