@@ -12,12 +12,15 @@ from fastapi.responses import JSONResponse
 from service.errors import (
     ApiaryError,
     ClusterUnavailable,
+    Forbidden,
     IdempotencyKeyReused,
     InvalidSpec,
     InvalidTransition,
     JobNotFound,
     JobNotStarted,
     LogsNotFound,
+    TokenNotFound,
+    Unauthenticated,
 )
 
 logger = logging.getLogger(__name__)
@@ -30,6 +33,9 @@ STATUS: dict[type[ApiaryError], int] = {
     ClusterUnavailable: 503,
     JobNotStarted: 409,
     LogsNotFound: 404,
+    Unauthenticated: 401,
+    Forbidden: 403,
+    TokenNotFound: 404,
 }
 
 

@@ -508,7 +508,7 @@ class Scheduler:
             for row in rows
             if row.state is JobState.QUEUED
         }
-        queued = [self._templates[row.id] for row in rows if row.state is JobState.QUEUED]
+        queued = [self._template(row) for row in rows if row.state is JobState.QUEUED]
         active = [self._gang(row, now=now) for row in rows if row.state in ACTIVE_STATES]
         cluster = self.backend.snapshot()
         usage = self._update_usage(stored_usage, active, cluster=cluster, now=now)
@@ -525,7 +525,8 @@ class Scheduler:
         return decisions
 
     def _learn_specs(self, session: Session, job_ids: Sequence[int]) -> None:
-        """Gang templates (and max_steps) of the jobs not seen before: a spec never changes."""
+        """Gang templates (and max_steps) of the jobs not seen before: a spec never changes (but for
+        the queue and priority an admin may change, which `_template` reads from each tick's rows)."""
         new = [job_id for job_id in job_ids if job_id not in self._templates]
         if not new:
             return
@@ -540,10 +541,17 @@ class Scheduler:
             )
             self._max_steps[job_id] = spec.max_steps
 
+    def _template(self, row: Any) -> Gang:
+        """The job's gang template with its queue and priority as they are now (PATCH /jobs/{id})."""
+        template = self._templates[row.id]
+        if (template.queue, template.priority) != (row.queue, row.priority):
+            template = self._templates[row.id] = replace(template, queue=row.queue, priority=row.priority)
+        return template
+
     def _gang(self, row: Any, *, now: float) -> Gang:
         """An active job as the policy sees it: its gang, and its progress. Its attempt started when it
         was admitted (`started_at` is the job's first start, before any preemption)."""
-        template = self._templates[row.id]
+        template = self._template(row)
         started_at = to_time(row.admitted_at) if row.state not in STARTING_STATES else None
         return replace(
             template,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,18 +83,17 @@ def post_steps(service: Service, job_id: int, steps: range) -> None:
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_the_queue_view_follows_a_job_live_in_a_browser(
-    service: Service, page: Any, classification_dataset: str
+    start_service: Callable[..., Service], page: Any, classification_dataset: str
 ) -> None:
+    owner = "ada<b>x</b>"  # text from outside (a login name): the page must show it, not run it as markup
+    service = start_service(local_user=owner)
     ARTIFACTS.mkdir(exist_ok=True)
     expect = playwright_api.expect
     base = str(service.http.base_url)
     page.goto(base + "/")
     expect(page.locator(".queue[data-queue=research] h2")).to_contain_text("research")
 
-    owner = "ada<b>x</b>"  # user-controlled text: the page must show it, not run it as markup
-    response = service.http.post(
-        "/jobs", json=spec(classification_dataset, name="resnet-tiny"), headers={"X-Apiary-User": owner}
-    )
+    response = service.http.post("/jobs", json=spec(classification_dataset, name="resnet-tiny"))
     job = response.json()
     row = page.locator(f".queue[data-queue=research] tr[data-job='{job['id']}']")
     expect(row).to_be_visible(timeout=15_000)  # through the queues stream, no reload
