@@ -38,12 +38,14 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
     )
     errors.install(app)
     web.install(app)  # first: its page at /jobs/{id} answers browsers, the JSON route everyone else
-    # Everything but the trainers' telemetry and the health check needs a user (service.auth); the
-    # routes that change a job or a token check who that user is.
-    for router in (jobs.router, logs.router, queues.router, streams.router, metrics.router, plan.router):
+    # Everything needs a user (service.auth) but the trainers' telemetry and what monitoring reads
+    # (the health check, Prometheus' aggregate metrics); the routes that change a job or a token check
+    # who that user is.
+    for router in (jobs.router, logs.router, queues.router, streams.router, plan.router):
         app.include_router(router, dependencies=[Depends(get_current_user)], responses=AUTH_RESPONSES)
     app.include_router(auth.router, responses=AUTH_RESPONSES)
     app.include_router(internal.router)
+    app.include_router(metrics.router)
 
     @app.get("/healthz", response_model=Health, tags=["health"])
     def healthz(runtime: RuntimeDep, response: Response) -> Health:

@@ -22,8 +22,9 @@ from service.cluster import RayJobStatus
 from service.settings import Settings
 from tests.integration.conftest import Service, small_spec
 
-# No user needed: the health check (load balancers) and the trainers' telemetry (its own credentials).
-PUBLIC = {("GET", "/healthz"), ("POST", "/internal/jobs/{job_id}/telemetry")}
+# No user needed: what monitoring reads (the health check, Prometheus' aggregate metrics) and the
+# trainers' telemetry (not a user's route).
+PUBLIC = {("GET", "/healthz"), ("GET", "/metrics"), ("POST", "/internal/jobs/{job_id}/telemetry")}
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ def protected_routes() -> list[tuple[str, str]]:
     return sorted(found - PUBLIC)
 
 
-def test_every_route_but_health_and_telemetry_needs_a_valid_token(
+def test_every_route_but_monitoring_and_telemetry_needs_a_valid_token(
     service: Service, people: People, spec: dict[str, Any]
 ) -> None:
     job = submit(people.ada, spec)
@@ -85,6 +86,7 @@ def test_every_route_but_health_and_telemetry_needs_a_valid_token(
     assert people.bob.get("/jobs").json()["count"] == 1
     assert people.bob.get("/queues").status_code == 200
     assert service.http.get("/healthz").status_code == 200
+    assert service.http.get("/metrics").status_code == 200
     telemetry = {"attempt": 1, "points": []}
     assert service.http.post(f"/internal/jobs/{job['id']}/telemetry", json=telemetry).status_code != 401
 
