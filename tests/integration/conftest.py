@@ -72,13 +72,15 @@ class Service:
 
 @pytest.fixture
 def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., Service]]:
-    """Starts the service (at most once per test), with `queues` (service.queues) if given."""
+    """Starts the service (at most once per test), with `queues` (service.queues) if given, and any
+    other Settings; `log_level` is uvicorn's ("info" logs every request)."""
     servers: list[BackgroundServer] = []
 
     def start(
         *,
         queues: dict[str, Any] | None = None,
         nodes: list[dict[str, float]] | None = None,
+        log_level: str = "warning",
         **settings: Any,
     ) -> Service:
         port = free_port()
@@ -95,7 +97,9 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
         )
         backend = FakeBackend(nodes=nodes) if nodes is not None else FakeBackend()
         runtime = Runtime(config, backend=backend, run_scheduler=False)
-        server = BackgroundServer(create_app(runtime=runtime), host="127.0.0.1", port=port)
+        server = BackgroundServer(
+            create_app(runtime=runtime), host="127.0.0.1", port=port, log_level=log_level
+        )
         server.start()
         servers.append(server)
         http = httpx.Client(base_url=server.url, timeout=10)

@@ -268,13 +268,14 @@ def test_serve_refuses_a_public_address_until_auth_is_configured(database_url: s
 
 
 def test_tokens_never_reach_the_logs(
-    service: Service,
-    people: People,
-    spec: dict[str, Any],
     caplog: pytest.LogCaptureFixture,
     capfd: pytest.CaptureFixture[str],
+    start_service: Callable[..., Service],  # after capfd: the server stops before the capture does
+    spec: dict[str, Any],
 ) -> None:
     caplog.set_level(logging.DEBUG)
+    service = start_service(log_level="debug")  # uvicorn's access log too: every request's line
+    people = People(service)
     job = submit(people.ada, spec)
     people.bob.post(f"/jobs/{job['id']}/cancel")  # refused: logged or not, without the token
     people.stranger.get("/jobs")
@@ -294,6 +295,7 @@ def test_tokens_never_reach_the_logs(
     ]
     assert any("token_created" in record for record in records)  # the logs were captured
     assert any("401 Unauthorized" in record for record in records)
+    assert '"GET /jobs HTTP/1.1" 401' in captured.out  # uvicorn's access log
     for text in (captured.out, captured.err, *records):
         for secret in secrets:
             assert secret not in text
