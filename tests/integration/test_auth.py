@@ -141,12 +141,26 @@ def test_only_an_admin_changes_a_jobs_queue_or_priority(
     assert (body["spec"]["priority"], body["spec"]["queue"]) == (50, "full-scale")
     events = people.ada.get(f"/jobs/{job['id']}/events").json()["data"]
     assert events[-1]["reason"] == "queue research -> full-scale, priority 0 -> 50 by root"
-    # The scheduler orders by the new values (its cached spec does not hide them).
     service.tick()
     assert service.runtime.jobs.get_job(job["id"]).state == "admitted"
     assert people.root.patch(f"/jobs/{job['id']}", json={"queue": "research"}).status_code == 409
     bad = people.root.patch(f"/jobs/{job['id']}", json={"priority": 1000})
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"][-1] == "priority"
+
+
+def test_the_scheduler_admits_by_the_priority_an_admin_gave(
+    start_service: Callable[..., Service], spec: dict[str, Any]
+) -> None:
+    service = start_service(nodes=[{"CPU": 2.0}])  # one 1-worker job at a time (1 CPU + 1 for data)
+    people = People(service)
+    first, second, third = (submit(people.ada, spec)["id"] for _ in range(3))
+    service.tick()  # the scheduler has seen all three
+    assert service.runtime.jobs.get_job(first).state == "admitted"
+    assert people.root.patch(f"/jobs/{third}", json={"priority": 50}).status_code == 200
+    people.ada.post(f"/jobs/{first}/cancel")
+    service.tick()
+    assert service.runtime.jobs.get_job(third).state == "admitted"
+    assert service.runtime.jobs.get_job(second).state == "queued"
 
 
 def test_a_priority_above_the_ceiling_is_an_admins_to_give(
