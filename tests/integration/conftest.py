@@ -22,19 +22,6 @@ from service.settings import Settings
 from tests.support.fakes import FakeBackend
 
 
-def small_spec(dataset: str, *, name: str) -> dict[str, Any]:
-    """A 1-worker, 20-step classification MLP: a job the API accepts, for tests about anything else."""
-    return {
-        "name": name,
-        "trainer": "mlp",
-        "num_workers": 1,
-        "dataset": {"uri": dataset},
-        "max_steps": 20,
-        "batch_size": 8,
-        "config": {"task": "classification", "num_classes": 3},
-    }
-
-
 class Service:
     def __init__(self, *, http: httpx.Client, runtime: Runtime, backend: FakeBackend) -> None:
         self.http = http

@@ -20,7 +20,7 @@ from api.app import create_app
 from api.cli import app as cli
 from service.cluster import RayJobStatus
 from service.settings import Settings
-from tests.integration.conftest import Service, small_spec
+from tests.integration.conftest import Service
 
 # No user needed: what monitoring reads (the health check, Prometheus' aggregate metrics) and the
 # trainers' telemetry (not a user's route).
@@ -29,7 +29,15 @@ PUBLIC = {("GET", "/healthz"), ("GET", "/metrics"), ("POST", "/internal/jobs/{jo
 
 @pytest.fixture
 def spec(classification_dataset: str) -> dict[str, Any]:
-    return small_spec(classification_dataset, name="auth-test")
+    return {
+        "name": "auth-test",
+        "trainer": "mlp",
+        "num_workers": 1,
+        "dataset": {"uri": classification_dataset},
+        "max_steps": 20,
+        "batch_size": 8,
+        "config": {"task": "classification", "num_classes": 3},
+    }
 
 
 class People:

@@ -26,7 +26,7 @@ from api.client import (
 from api.schemas import EventPublic, JobPublic, MetricsPublic
 from service.cluster import RayJobStatus, free_port
 from service.spec import JobSpec
-from tests.integration.conftest import Service, small_spec
+from tests.integration.conftest import Service
 
 
 @pytest.fixture
@@ -37,7 +37,15 @@ def database_url(tmp_path: Path) -> str:
 
 @pytest.fixture
 def spec(classification_dataset: str) -> dict[str, Any]:
-    return small_spec(classification_dataset, name="sdk-test")
+    return {
+        "name": "sdk-test",
+        "trainer": "mlp",
+        "num_workers": 1,
+        "dataset": {"uri": classification_dataset},
+        "max_steps": 20,
+        "batch_size": 8,
+        "config": {"task": "classification", "num_classes": 3},
+    }
 
 
 @pytest.fixture

@@ -16,12 +16,20 @@ from sqlalchemy import func, select, update
 
 from service.jobs import JobService
 from service.models import IdempotencyKey, Job, utcnow
-from tests.integration.conftest import Service, small_spec
+from tests.integration.conftest import Service
 
 
 @pytest.fixture
 def spec(classification_dataset: str) -> dict[str, Any]:
-    return small_spec(classification_dataset, name="once")
+    return {
+        "name": "once",
+        "trainer": "mlp",
+        "num_workers": 1,
+        "dataset": {"uri": classification_dataset},
+        "max_steps": 20,
+        "batch_size": 8,
+        "config": {"task": "classification", "num_classes": 3},
+    }
 
 
 def post(
