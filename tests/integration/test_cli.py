@@ -16,6 +16,7 @@ from typer.testing import CliRunner, Result
 from api.cli import app
 from service.cluster import RayJobStatus, free_port
 from tests.integration.conftest import Service
+from tests.support.jobs import classification_job
 
 
 @pytest.fixture
@@ -26,15 +27,7 @@ def database_url(tmp_path: Path) -> str:
 
 @pytest.fixture
 def spec(classification_dataset: str) -> dict[str, Any]:
-    return {
-        "name": "cli-test",
-        "trainer": "mlp",
-        "num_workers": 1,
-        "dataset": {"uri": classification_dataset},
-        "max_steps": 20,
-        "batch_size": 8,
-        "config": {"task": "classification", "num_classes": 3},
-    }
+    return classification_job(classification_dataset, name="cli-test")
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from api.schemas import EventPublic, JobPublic, MetricsPublic
 from service.cluster import RayJobStatus, free_port
 from service.spec import JobSpec
 from tests.integration.conftest import Service
+from tests.support.jobs import classification_job
 
 
 @pytest.fixture
@@ -37,15 +38,7 @@ def database_url(tmp_path: Path) -> str:
 
 @pytest.fixture
 def spec(classification_dataset: str) -> dict[str, Any]:
-    return {
-        "name": "sdk-test",
-        "trainer": "mlp",
-        "num_workers": 1,
-        "dataset": {"uri": classification_dataset},
-        "max_steps": 20,
-        "batch_size": 8,
-        "config": {"task": "classification", "num_classes": 3},
-    }
+    return classification_job(classification_dataset, name="sdk-test")
 
 
 @pytest.fixture

@@ -17,19 +17,12 @@ from sqlalchemy import func, select, update
 from service.jobs import JobService
 from service.models import IdempotencyKey, Job, utcnow
 from tests.integration.conftest import Service
+from tests.support.jobs import classification_job
 
 
 @pytest.fixture
 def spec(classification_dataset: str) -> dict[str, Any]:
-    return {
-        "name": "once",
-        "trainer": "mlp",
-        "num_workers": 1,
-        "dataset": {"uri": classification_dataset},
-        "max_steps": 20,
-        "batch_size": 8,
-        "config": {"task": "classification", "num_classes": 3},
-    }
+    return classification_job(classification_dataset, name="once")
 
 
 def post(

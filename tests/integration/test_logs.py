@@ -11,19 +11,12 @@ import pytest
 
 from service.cluster import RayJobStatus
 from tests.integration.conftest import Service
+from tests.support.jobs import classification_job
 
 
 @pytest.fixture
 def spec(classification_dataset: str) -> dict[str, Any]:
-    return {
-        "name": "logs-test",
-        "trainer": "mlp",
-        "num_workers": 2,
-        "dataset": {"uri": classification_dataset},
-        "max_steps": 20,
-        "batch_size": 8,
-        "config": {"task": "classification", "num_classes": 3},
-    }
+    return classification_job(classification_dataset, name="logs-test", num_workers=2)
 
 
 def start(service: Service, spec: dict[str, Any]) -> tuple[int, str]:

@@ -10,21 +10,14 @@ import pytest
 
 from api.routes import streams
 from tests.integration.conftest import Service
+from tests.support.jobs import classification_job
 from tests.support.sse import SseReader
 from tests.support.wait import wait_until
 
 
 @pytest.fixture
 def spec(classification_dataset: str) -> dict[str, Any]:
-    return {
-        "name": "stream-test",
-        "trainer": "mlp",
-        "num_workers": 2,
-        "dataset": {"uri": classification_dataset},
-        "max_steps": 1000,
-        "batch_size": 8,
-        "config": {"task": "classification", "num_classes": 3},
-    }
+    return classification_job(classification_dataset, name="stream-test", num_workers=2, max_steps=1000)
 
 
 def post_points(service: Service, job_id: int, steps: range, *, attempt: int = 1, segment: int = 0) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from service.cluster import RayJobStatus
 from tests.integration.conftest import Service
+from tests.support.jobs import classification_job
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).parents[2] / "test-artifacts"
@@ -38,16 +39,7 @@ def page() -> Iterator[Any]:
 
 
 def spec(dataset: str, **changes: Any) -> dict[str, Any]:
-    return {
-        "name": "mlp-web",
-        "trainer": "mlp",
-        "num_workers": 2,
-        "dataset": {"uri": dataset},
-        "max_steps": 200,
-        "batch_size": 8,
-        "config": {"task": "classification", "num_classes": 3},
-        **changes,
-    }
+    return classification_job(dataset, name="mlp-web", num_workers=2, max_steps=200, **changes)
 
 
 def post_steps(service: Service, job_id: int, steps: range) -> None:

@@ -37,3 +37,18 @@ def make_request(spec: JobSpec, *, storage: Path | str, run_name: str, **fields:
     return LaunchRequest(
         job_id=1, attempt=1, spec=spec, storage_uri=str(storage), run_name=run_name, **values
     )
+
+
+def classification_job(dataset: str, *, name: str, **fields: Any) -> dict[str, Any]:
+    """A job as a client submits it: the `mlp` trainer on a 3-class dataset (`dataset`, a URI), one
+    worker, 20 steps of batches of 8, unless `fields` say otherwise."""
+    return {
+        "name": name,
+        "trainer": "mlp",
+        "num_workers": 1,
+        "dataset": {"uri": dataset},
+        "max_steps": 20,
+        "batch_size": 8,
+        "config": {"task": "classification", "num_classes": 3},
+        **fields,
+    }
