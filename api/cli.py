@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -16,12 +16,12 @@ from rich.table import Table
 
 from api import cli_admin, cli_jobs, server
 from api.app import create_app
-from api.cli_admin import load_settings, refuse_unsafe_bind
 from api.cli_plan import plan_command
 from api.client import ApiaryClientError
 from api.demo import run_demo_job, write_demo_dataset
 from service.cluster import free_port
 from service.errors import one_line
+from service.settings import Settings
 from service.spec import DataFormat
 
 app = typer.Typer(
@@ -29,7 +29,16 @@ app = typer.Typer(
 )
 console = Console(soft_wrap=True)
 cli_jobs.register(app)
-cli_admin.register(app)
+
+
+def _settings(**overrides: Any) -> Settings:
+    try:
+        settings = Settings(**{key: value for key, value in overrides.items() if value is not None})
+        settings.queues  # noqa: B018 (reads and checks APIARY_QUEUES_FILE)
+    except ValueError as err:  # pydantic's ValidationError or InvalidSpec: a bad APIARY_* variable or file
+        console.print(f"[red]error:[/] bad configuration: {one_line(err)}")
+        raise typer.Exit(2) from None
+    return settings
 
 
 def _configure_logging() -> None:
@@ -43,8 +52,8 @@ def serve(
 ) -> None:
     """Start the API, the scheduler and (unless APIARY_RAY_ADDRESS is set) a local Ray."""
     _configure_logging()
-    settings = load_settings(host=host, port=port)
-    refuse_unsafe_bind(settings)
+    settings = _settings(host=host, port=port)
+    cli_admin.refuse_unsafe_bind(settings)
     server.serve(create_app(settings), host=settings.host, port=settings.port)
 
 
@@ -56,8 +65,8 @@ def demo(
     """Write a small token dataset, start Apiary, train a tiny GPT on 2 workers, show progress."""
     logging.basicConfig(level=logging.WARNING)
     port = free_port()
-    settings = load_settings(port=port)
-    refuse_unsafe_bind(settings)
+    settings = _settings(port=port)
+    cli_admin.refuse_unsafe_bind(settings)
     dataset = settings.data_dir / "datasets" / "demo-tokens"
     console.print(f"[bold]1.[/] writing a synthetic token dataset to {dataset}")
     write_demo_dataset(dataset)
@@ -97,7 +106,7 @@ def data_shard(
     """Write SOURCE as N shards at DEST, with a _manifest.json (rows, schema, sha256 per shard)."""
     from service.sharding import shard_dataset
 
-    settings = load_settings()
+    settings = _settings()
     source_uri = source if "://" in source else str(Path(source).absolute())
     dest_uri = dest if "://" in dest else str(Path(dest).absolute())
     try:
@@ -189,6 +198,7 @@ def _usage_error(message: str) -> NoReturn:
 
 
 app.command("plan")(plan_command)  # api/cli_plan.py
+cli_admin.register(app, load_settings=_settings)  # api/cli_admin.py: apiary token create | list | revoke
 
 
 def main() -> None:

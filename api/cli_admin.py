@@ -1,8 +1,6 @@
-"""The commands that work on the service's own configuration and database rather than through its API:
-`apiary token create|list|revoke` (API tokens, on the database directly, so that the first admin can
-be made before anyone can call the API), the reading of the APIARY_* settings, and the check that
-keeps `apiary serve` from listening beyond loopback while anyone could call it as the local user
-(service.auth).
+"""`apiary token create|list|revoke`: API tokens, on the database directly (APIARY_DATABASE_URL), so
+that the first admin can be made before anyone can call the API; and the check that keeps `apiary
+serve` from listening beyond loopback while anyone could call it as the local user (service.auth).
 
 The secret of a new token goes to stdout alone (`export APIARY_TOKEN=$(apiary token create ada)`),
 everything else to stderr; it is shown this once, and never logged.
@@ -12,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
-from typing import Annotated, Any
+from collections.abc import Callable, Iterator
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -22,31 +20,73 @@ from rich.table import Table
 from api.schemas import TokenPublic
 from service.auth import CREATE_TOKEN_HINT, Auth, is_loopback
 from service.db import Database
-from service.errors import ApiaryError, one_line
+from service.errors import ApiaryError
 from service.settings import Settings
 
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
 
-token_app = typer.Typer(
-    help="API tokens (on the server's database): who may use Apiary, and who is an admin.",
-    no_args_is_help=True,
-)
 
-
-def register(app: typer.Typer) -> None:
+def register(app: typer.Typer, *, load_settings: Callable[[], Settings]) -> None:
+    token_app = typer.Typer(
+        help="API tokens (on the server's database): who may use Apiary, and who is an admin.",
+        no_args_is_help=True,
+    )
     app.add_typer(token_app, name="token")
 
+    @token_app.command("create")
+    def create(
+        name: Annotated[str, typer.Argument(help="The user the token is for: the owner of their jobs.")],
+        admin: Annotated[
+            bool, typer.Option("--admin", help="An admin: any job, any priority, and tokens.")
+        ] = False,
+    ) -> None:
+        """Issue a token for NAME and print it once. From the first token on, every request needs one."""
+        with _one_line_errors(), _auth(load_settings()) as auth:
+            issued = auth.create_token(user=name, admin=admin)
+        role = "an admin" if admin else "a user"
+        errors.print(
+            f"token {issued.token.id} for {issued.token.user_name} ({role}); it is shown only now: pass "
+            'it as APIARY_TOKEN, or `token = "..."` in ~/.config/apiary/config.toml, or log in to the '
+            "web view"
+        )
+        print(issued.secret)
 
-def load_settings(**overrides: Any) -> Settings:
-    """The APIARY_* settings (with the options given); a bad one exits 2 naming it."""
-    try:
-        settings = Settings(**{key: value for key, value in overrides.items() if value is not None})
-        settings.queues  # noqa: B018 (reads and checks APIARY_QUEUES_FILE)
-    except ValueError as err:  # pydantic's ValidationError or InvalidSpec: a bad APIARY_* variable or file
-        errors.print(f"[red]error:[/] bad configuration: {one_line(err)}")
-        raise typer.Exit(2) from None
-    return settings
+    @token_app.command("list")
+    def list_tokens(
+        as_json: Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")] = False,
+    ) -> None:
+        """Every token (revoked ones too), without secrets: only their hashes are stored."""
+        with _auth(load_settings()) as auth:
+            tokens = [TokenPublic.build(token) for token in auth.list_tokens()]
+        if as_json:
+            print(json.dumps({"data": [t.model_dump(mode="json") for t in tokens], "count": len(tokens)}))
+            return
+        _print_tokens(tokens)
+
+    @token_app.command("revoke")
+    def revoke(
+        token_id: Annotated[int, typer.Argument(help="The token's id (`apiary token list`).")],
+    ) -> None:
+        """Revoke a token: it stops working at once."""
+        with _one_line_errors(), _auth(load_settings()) as auth:
+            token = auth.revoke_token(token_id)
+        errors.print(f"token {token.id} of {token.user_name} is revoked")
+
+
+def _print_tokens(tokens: list[TokenPublic]) -> None:
+    table = Table(box=None)
+    for column in ("ID", "USER", "ROLE", "CREATED", "REVOKED"):
+        table.add_column(column)
+    for token in tokens:
+        table.add_row(
+            str(token.id),
+            token.user,
+            "admin" if token.admin else "user",
+            f"{token.created_at:%Y-%m-%d %H:%M}",
+            f"{token.revoked_at:%Y-%m-%d %H:%M}" if token.revoked_at else "",
+        )
+    console.print(table)
 
 
 @contextlib.contextmanager
@@ -67,56 +107,6 @@ def _one_line_errors() -> Iterator[None]:
     except ApiaryError as err:  # a bad name (InvalidSpec) or an unknown id: the user's mistake
         errors.print(f"[red]error:[/] {err.message}")
         raise typer.Exit(2) from None
-
-
-@token_app.command("create")
-def create(
-    name: Annotated[str, typer.Argument(help="The user the token is for: the owner of their jobs.")],
-    admin: Annotated[
-        bool, typer.Option("--admin", help="An admin: any job, any priority, and tokens.")
-    ] = False,
-) -> None:
-    """Issue a token for NAME and print it once. From the first token on, every request needs one."""
-    with _one_line_errors(), _auth(load_settings()) as auth:
-        issued = auth.create_token(user=name, admin=admin)
-    role = "an admin" if admin else "a user"
-    errors.print(
-        f"token {issued.token.id} for {issued.token.user_name} ({role}); it is shown only now: pass it "
-        'as APIARY_TOKEN, or `token = "..."` in ~/.config/apiary/config.toml, or log in to the web view'
-    )
-    print(issued.secret)
-
-
-@token_app.command("list")
-def list_tokens(
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")] = False,
-) -> None:
-    """Every token (revoked ones too), without secrets: only their hashes are stored."""
-    with _auth(load_settings()) as auth:
-        tokens = [TokenPublic.build(token) for token in auth.list_tokens()]
-    if as_json:
-        print(json.dumps({"data": [t.model_dump(mode="json") for t in tokens], "count": len(tokens)}))
-        return
-    table = Table(box=None)
-    for column in ("ID", "USER", "ROLE", "CREATED", "REVOKED"):
-        table.add_column(column)
-    for token in tokens:
-        table.add_row(
-            str(token.id),
-            token.user,
-            "admin" if token.admin else "user",
-            f"{token.created_at:%Y-%m-%d %H:%M}",
-            f"{token.revoked_at:%Y-%m-%d %H:%M}" if token.revoked_at else "",
-        )
-    console.print(table)
-
-
-@token_app.command("revoke")
-def revoke(token_id: Annotated[int, typer.Argument(help="The token's id (`apiary token list`).")]) -> None:
-    """Revoke a token: it stops working at once."""
-    with _one_line_errors(), _auth(load_settings()) as auth:
-        token = auth.revoke_token(token_id)
-    errors.print(f"token {token.id} of {token.user_name} is revoked")
 
 
 def refuse_unsafe_bind(settings: Settings) -> None:

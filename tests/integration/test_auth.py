@@ -21,6 +21,7 @@ from api.cli import app as cli
 from service.cluster import RayJobStatus
 from service.settings import Settings
 from tests.integration.conftest import Service
+from tests.support.jobs import classification_job
 
 # No user needed: what monitoring reads (the health check, Prometheus' aggregate metrics) and the
 # trainers' telemetry (not a user's route).
@@ -29,15 +30,7 @@ PUBLIC = {("GET", "/healthz"), ("GET", "/metrics"), ("POST", "/internal/jobs/{jo
 
 @pytest.fixture
 def spec(classification_dataset: str) -> dict[str, Any]:
-    return {
-        "name": "auth-test",
-        "trainer": "mlp",
-        "num_workers": 1,
-        "dataset": {"uri": classification_dataset},
-        "max_steps": 20,
-        "batch_size": 8,
-        "config": {"task": "classification", "num_classes": 3},
-    }
+    return classification_job(classification_dataset, name="auth-test")
 
 
 class People:
