@@ -39,7 +39,7 @@ def page() -> Iterator[Any]:
 
 
 def spec(dataset: str, **changes: Any) -> dict[str, Any]:
-    return classification_job(dataset, name="mlp-web", num_workers=2, max_steps=200, **changes)
+    return classification_job(dataset, **{"name": "mlp-web", "num_workers": 2, "max_steps": 200, **changes})
 
 
 def post_steps(service: Service, job_id: int, steps: range) -> None:
