@@ -498,6 +498,7 @@ class Scheduler:
     def schedule(self, now: float) -> Decisions:
         with self.db.session() as session:
             rows = repository.scheduling_rows(session)
+            self._forget_changed(rows)
             self._learn_specs(session, [row.id for row in rows])
             stored_usage = repository.owner_usage(session)
         live = {row.id for row in rows}
@@ -508,7 +509,7 @@ class Scheduler:
             for row in rows
             if row.state is JobState.QUEUED
         }
-        queued = [self._template(row) for row in rows if row.state is JobState.QUEUED]
+        queued = [self._templates[row.id] for row in rows if row.state is JobState.QUEUED]
         active = [self._gang(row, now=now) for row in rows if row.state in ACTIVE_STATES]
         cluster = self.backend.snapshot()
         usage = self._update_usage(stored_usage, active, cluster=cluster, now=now)
@@ -524,9 +525,16 @@ class Scheduler:
         self._store_waiting(decisions, before=waiting_before, admitted=set(decisions.admit))
         return decisions
 
+    def _forget_changed(self, rows: Sequence[Any]) -> None:
+        """Drop the templates of the jobs whose queue or priority an admin changed: learned again."""
+        for row in rows:
+            template = self._templates.get(row.id)
+            if template is not None and (template.queue, template.priority) != (row.queue, row.priority):
+                del self._templates[row.id], self._max_steps[row.id]
+
     def _learn_specs(self, session: Session, job_ids: Sequence[int]) -> None:
-        """Gang templates (and max_steps) of the jobs not seen before: a spec never changes (but for
-        the queue and priority an admin may change, which `_template` reads from each tick's rows)."""
+        """Gang templates (and max_steps) of the jobs not seen before: a spec never changes, but for the
+        queue and priority an admin may change (PATCH /jobs/{id} stores them in the spec too)."""
         new = [job_id for job_id in job_ids if job_id not in self._templates]
         if not new:
             return
@@ -541,17 +549,10 @@ class Scheduler:
             )
             self._max_steps[job_id] = spec.max_steps
 
-    def _template(self, row: Any) -> Gang:
-        """The job's gang template with its queue and priority as they are now (PATCH /jobs/{id})."""
-        template = self._templates[row.id]
-        if (template.queue, template.priority) != (row.queue, row.priority):
-            template = self._templates[row.id] = replace(template, queue=row.queue, priority=row.priority)
-        return template
-
     def _gang(self, row: Any, *, now: float) -> Gang:
         """An active job as the policy sees it: its gang, and its progress. Its attempt started when it
         was admitted (`started_at` is the job's first start, before any preemption)."""
-        template = self._template(row)
+        template = self._templates[row.id]
         started_at = to_time(row.admitted_at) if row.state not in STARTING_STATES else None
         return replace(
             template,
