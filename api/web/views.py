@@ -28,6 +28,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from starlette.concurrency import run_in_threadpool
 from starlette.routing import Match
 from starlette.types import Scope
 
@@ -147,7 +148,7 @@ async def login(request: Request, auth: AuthDep) -> Response:
     token = (form.get("token") or [""])[0].strip()
     next_path = _safe_next((form.get("next") or ["/"])[0])
     try:
-        _check_token(auth, token)
+        await run_in_threadpool(_check_token, auth, token)  # a database read: off the event loop
     except Unauthenticated as err:
         context = {"next": next_path, "error": err.message}
         return templates.TemplateResponse(request, "login.html", context, status_code=401)
