@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, Response
 from sqlalchemy import text
 
 from api import errors
-from api.deps import RuntimeDep
-from api.routes import internal, jobs, logs, metrics, plan, queues, streams
+from api.deps import AUTH_RESPONSES, RuntimeDep, get_current_user
+from api.routes import auth, internal, jobs, logs, metrics, plan, queues, streams
 from api.schemas import Health
 from api.web import views as web
 from service.errors import ClusterUnavailable
@@ -38,13 +38,14 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
     )
     errors.install(app)
     web.install(app)  # first: its page at /jobs/{id} answers browsers, the JSON route everyone else
-    app.include_router(jobs.router)
-    app.include_router(logs.router)
-    app.include_router(queues.router)
+    # Everything needs a user (service.auth) but the trainers' telemetry and what monitoring reads
+    # (the health check, Prometheus' aggregate metrics); the routes that change a job or a token check
+    # who that user is.
+    for router in (jobs.router, logs.router, queues.router, streams.router, plan.router):
+        app.include_router(router, dependencies=[Depends(get_current_user)], responses=AUTH_RESPONSES)
+    app.include_router(auth.router, responses=AUTH_RESPONSES)
     app.include_router(internal.router)
-    app.include_router(streams.router)
     app.include_router(metrics.router)
-    app.include_router(plan.router)
 
     @app.get("/healthz", response_model=Health, tags=["health"])
     def healthz(runtime: RuntimeDep, response: Response) -> Health:

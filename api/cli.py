@@ -1,5 +1,6 @@
 """The `apiary` command: run the service, or the demo a new user starts with; the commands that use a
-running server (submit, jobs, queue, show, logs, watch, cancel, preempt) are in api/cli_jobs.py."""
+running server (submit, jobs, queue, show, logs, watch, cancel, preempt) are in api/cli_jobs.py, and
+`apiary token` (on the database) in api/cli_admin.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from api import cli_db, cli_jobs, server
+from api import cli_admin, cli_db, cli_jobs, server
 from api.app import create_app
 from api.cli_plan import plan_command
 from api.client import ApiaryClientError
@@ -48,6 +49,7 @@ def serve(
 ) -> None:
     """Start the API, the scheduler and (unless APIARY_RAY_ADDRESS is set) a local Ray."""
     settings = _settings(host=host, port=port)
+    cli_admin.refuse_unsafe_bind(settings)
     configure_logging(settings.log_format)
     server.serve(create_app(settings), host=settings.host, port=settings.port, log_format=settings.log_format)
 
@@ -61,6 +63,7 @@ def demo(
     logging.basicConfig(level=logging.WARNING)
     port = free_port()
     settings = _settings(port=port)
+    cli_admin.refuse_unsafe_bind(settings)
     dataset = settings.data_dir / "datasets" / "demo-tokens"
     console.print(f"[bold]1.[/] writing a synthetic token dataset to {dataset}")
     write_demo_dataset(dataset)
@@ -193,6 +196,7 @@ def _usage_error(message: str) -> NoReturn:
 
 app.command("plan")(plan_command)  # api/cli_plan.py
 cli_db.register(app, load_settings=_settings)  # api/cli_db.py: apiary db upgrade | current
+cli_admin.register(app, load_settings=_settings)  # api/cli_admin.py: apiary token create | list | revoke
 
 
 def main() -> None:

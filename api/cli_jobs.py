@@ -10,7 +10,6 @@ reached; 2 bad input (a bad spec file names the field and its line). Read comman
 from __future__ import annotations
 
 import contextlib
-import getpass
 import json
 import sys
 import time
@@ -27,7 +26,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from api.client import ApiaryClient, ApiaryClientError, ApiaryInvalid, ClientConfig
+from api.client import ApiaryClient, ApiaryClientError, ApiaryInvalid
 from api.schemas import JobPublic
 from service.errors import one_line
 from service.spec import JobSpec, field_line, parse_spec_text
@@ -39,9 +38,9 @@ errors = Console(stderr=True, soft_wrap=True)
 Url = Annotated[
     str | None, typer.Option("--url", help="Apiary's URL [env APIARY_URL; default http://127.0.0.1:8000].")
 ]
-Token = Annotated[str | None, typer.Option("--token", help="Bearer token [env APIARY_TOKEN].")]
-User = Annotated[
-    str | None, typer.Option("--user", help="Who you are to Apiary [env APIARY_USER; default: login name].")
+Token = Annotated[
+    str | None,
+    typer.Option("--token", help="API token: who you are [env APIARY_TOKEN, or `token` in the config file]."),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")]
 JobId = Annotated[int, typer.Argument(help="The job's id.")]
@@ -61,12 +60,11 @@ def submit(
     watch_: Annotated[bool, typer.Option("--watch", help="Then watch it until it ends.")] = False,
     url: Url = None,
     token: Token = None,
-    user: User = None,
     as_json: AsJson = False,
 ) -> None:
     """Queue the job in FILE. A spec Apiary refuses names the field and its line (exit 2)."""
     text, spec = _read_spec(file)
-    with _client(url, token, user) as client:
+    with _client(url, token) as client:
         try:
             job = client.submit(spec)
         except ApiaryInvalid as err:
@@ -87,17 +85,16 @@ def jobs(
         list[str] | None, typer.Option("--state", help="Only jobs in this state (repeat for several).")
     ] = None,
     queue: Annotated[str | None, typer.Option("--queue", help="research or full-scale.")] = None,
-    mine: Annotated[bool, typer.Option("--mine", help="Only the jobs you own (--user).")] = False,
+    mine: Annotated[bool, typer.Option("--mine", help="Only the jobs you own (your token's user).")] = False,
     limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 50,
     url: Url = None,
     token: Token = None,
-    user: User = None,
     as_json: AsJson = False,
 ) -> None:
     """List jobs, newest first."""
-    with _client(url, token, user) as client:
+    with _client(url, token) as client:
         found: list[JobPublic] = []
-        me = _user(user)
+        me = client.me().user if mine else None
         for job in client.iter_jobs(state=state, queue=queue, page_size=min(limit, 500)):
             if not mine or job.owner == me:
                 found.append(job)
@@ -127,11 +124,10 @@ def jobs(
 def queue(
     url: Url = None,
     token: Token = None,
-    user: User = None,
     as_json: AsJson = False,
 ) -> None:
     """Both queues: their use of the cluster and their waiting jobs with position, reason and ETA."""
-    with _client(url, token, user) as client:
+    with _client(url, token) as client:
         queues = client.queues()
     if as_json:
         print(json.dumps({"data": [q.model_dump(mode="json") for q in queues]}))
@@ -161,11 +157,9 @@ def queue(
         console.print(table)
 
 
-def show(
-    job_id: JobId, url: Url = None, token: Token = None, user: User = None, as_json: AsJson = False
-) -> None:
+def show(job_id: JobId, url: Url = None, token: Token = None, as_json: AsJson = False) -> None:
     """A job: its state and progress, why it waits, its checkpoint, and its recent events."""
-    with _client(url, token, user) as client:
+    with _client(url, token) as client:
         job = client.get(job_id)
         events = client.events(job_id)
     if as_json:
@@ -201,11 +195,10 @@ def logs(
     tail: Annotated[int | None, typer.Option(min=0, help="Only the last N lines.")] = None,
     url: Url = None,
     token: Token = None,
-    user: User = None,
     as_json: AsJson = False,
 ) -> None:
     """The job's log: its driver's and every rank's output (from its Ray job)."""
-    with _client(url, token, user) as client:
+    with _client(url, token) as client:
         if follow:
             for chunk in client.follow_logs(job_id, attempt=attempt, tail=tail):
                 sys.stdout.write(chunk)
@@ -223,27 +216,22 @@ def watch(
     interval: Annotated[float, typer.Option(min=0.05, help="Seconds between updates.")] = 1.0,
     url: Url = None,
     token: Token = None,
-    user: User = None,
 ) -> None:
     """A live progress bar (step, samples/s, loss, ETA) until the job ends; exits 0 if it succeeded,
     1 if it failed or was cancelled."""
-    with _client(url, token, user) as client:
+    with _client(url, token) as client:
         raise typer.Exit(_watch(client, job_id, interval_s=interval))
 
 
-def cancel(
-    job_id: JobId, url: Url = None, token: Token = None, user: User = None, as_json: AsJson = False
-) -> None:
+def cancel(job_id: JobId, url: Url = None, token: Token = None, as_json: AsJson = False) -> None:
     """Cancel a queued or running job (exit 1 if it already ended)."""
-    with _client(url, token, user) as client:
+    with _client(url, token) as client:
         _done(client.cancel(job_id), as_json=as_json)
 
 
-def preempt(
-    job_id: JobId, url: Url = None, token: Token = None, user: User = None, as_json: AsJson = False
-) -> None:
+def preempt(job_id: JobId, url: Url = None, token: Token = None, as_json: AsJson = False) -> None:
     """Checkpoint a running job and requeue it in its place (exit 1 unless it is running)."""
-    with _client(url, token, user) as client:
+    with _client(url, token) as client:
         _done(client.preempt(job_id), as_json=as_json)
 
 
@@ -252,25 +240,15 @@ def preempt(
 
 
 @contextlib.contextmanager
-def _client(url: str | None, token: str | None, user: str | None) -> Iterator[ApiaryClient]:
+def _client(url: str | None, token: str | None) -> Iterator[ApiaryClient]:
     """The SDK client; the server's refusals become one line and exit 1 (2 for bad input)."""
     try:
-        with ApiaryClient(url, token=token, user=_user(user), retries=2) as client:
+        with ApiaryClient(url, token=token, retries=2) as client:
             yield client
     except ApiaryInvalid as err:
         _fail(err.message, code=2)
     except ApiaryClientError as err:
         _fail(err.message, code=1)
-
-
-def _user(user: str | None) -> str:
-    found = ClientConfig.load(user=user).user
-    if found:
-        return found
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # no login name (a container without a passwd entry)
-        return "anonymous"
 
 
 def _read_spec(file: Path) -> tuple[str, JobSpec]:

@@ -12,10 +12,11 @@ Errors: the API's refusals raise `ApiaryClientError` subclasses (`ApiaryNotFound
 raises `ApiaryConnectionError` after `retries` tries with backoff. A submit sends one
 `Idempotency-Key` over all its tries, so a retried submit never creates two jobs.
 
-Configuration (each from the first place that sets it): the arguments, then `APIARY_URL`,
-`APIARY_TOKEN` and `APIARY_USER`, then the TOML file `$APIARY_CONFIG` or
-`~/.config/apiary/config.toml` (keys `url`, `token`, `user`); the URL defaults to
-http://127.0.0.1:8000. A token is sent as `Authorization: Bearer <token>`.
+Configuration (each from the first place that sets it): the arguments, then `APIARY_URL` and
+`APIARY_TOKEN`, then the TOML file `$APIARY_CONFIG` or `~/.config/apiary/config.toml` (keys `url`,
+`token`); the URL defaults to http://127.0.0.1:8000. The token (an admin makes one with `apiary token
+create NAME`) is sent as `Authorization: Bearer <token>`, and says who you are: the owner of the jobs
+you submit. A server without tokens (a local one) needs none.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ from api.schemas import (
     MetricsPublic,
     QueuePublic,
     QueuesPublic,
+    TokenCreated,
+    TokenPublic,
+    TokensPublic,
+    UserPublic,
 )
 from service.spec import JobSpec, parse_spec_text
 from service.states import TERMINAL_STATES, JobState
@@ -130,18 +135,14 @@ def _error_of(response: httpx.Response) -> ApiaryClientError:
 class ClientConfig:
     url: str = DEFAULT_URL
     token: str | None = None
-    user: str | None = None
 
     @classmethod
-    def load(
-        cls, *, url: str | None = None, token: str | None = None, user: str | None = None
-    ) -> ClientConfig:
+    def load(cls, *, url: str | None = None, token: str | None = None) -> ClientConfig:
         """Arguments, then the environment, then the config file (see the module docstring)."""
         found = _read_config_file()
         return cls(
             url=url or os.environ.get("APIARY_URL") or str(found.get("url") or DEFAULT_URL),
             token=token or os.environ.get("APIARY_TOKEN") or _str_or_none(found.get("token")),
-            user=user or os.environ.get("APIARY_USER") or _str_or_none(found.get("user")),
         )
 
 
@@ -226,17 +227,14 @@ class ApiaryClient:
         base_url: str | None = None,
         *,
         token: str | None = None,
-        user: str | None = None,
         timeout_s: float = 30,
         retries: int = 4,
         backoff_s: float = 0.25,
     ) -> None:
         """`retries`: further tries after a connection error, waiting `backoff_s`, then twice that,
         and so on (at most 5 s)."""
-        config = ClientConfig.load(url=base_url, token=token, user=user)
+        config = ClientConfig.load(url=base_url, token=token)
         headers = {}
-        if config.user:
-            headers["X-Apiary-User"] = config.user
         if config.token:
             headers["Authorization"] = f"Bearer {config.token}"
         self.url = config.url.rstrip("/")
@@ -274,11 +272,14 @@ class ApiaryClient:
             return response
         raise AssertionError("unreachable")
 
+    def _call(self, method: str, path: str, model: type[Model], *, resend: bool, **kwargs: Any) -> Model:
+        return model.model_validate(self._send(method, path, resend=resend, **kwargs).json())
+
     def _get(self, path: str, model: type[Model], **kwargs: Any) -> Model:
-        return model.model_validate(self._send("GET", path, resend=True, **kwargs).json())
+        return self._call("GET", path, model, resend=True, **kwargs)
 
     def _post(self, path: str, model: type[Model], *, resend: bool = False, **kwargs: Any) -> Model:
-        return model.model_validate(self._send("POST", path, resend=resend, **kwargs).json())
+        return self._call("POST", path, model, resend=resend, **kwargs)
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -343,6 +344,11 @@ class ApiaryClient:
         """Checkpoint a running job and put it back in its queue; it resumes from that checkpoint."""
         return self._post(f"/jobs/{job_id}/preempt", JobPublic)
 
+    def update(self, job_id: int, *, queue: str | None = None, priority: int | None = None) -> JobPublic:
+        """Change a job's priority or (while it waits) queue: admins only."""
+        body = _without_none(queue=queue, priority=priority)
+        return self._call("PATCH", f"/jobs/{job_id}", JobPublic, resend=True, json=body)
+
     def wait(self, job_id: int, *, timeout_s: float = 600, poll_s: float = 1.0) -> JobPublic:
         """Block until the job ends; TimeoutError (with its last state) if it has not by `timeout_s`."""
         deadline = time.monotonic() + timeout_s
@@ -376,6 +382,22 @@ class ApiaryClient:
         params = {**_without_none(attempt=attempt, tail=tail), "follow": "true"}
         with self._open_stream(f"/jobs/{job_id}/logs", params=params, headers={}) as response:
             yield from response.iter_text()
+
+    # --- who you are, and tokens (admins) -------------------------------------------------------
+
+    def me(self) -> UserPublic:
+        """Who this client's token is (without one, on a server without tokens: its local user)."""
+        return self._get("/me", UserPublic)
+
+    def create_token(self, user: str, *, admin: bool = False) -> TokenCreated:
+        """A new token for `user`; its secret (`.token`) is in this answer only."""
+        return self._post("/admin/tokens", TokenCreated, json={"user": user, "admin": admin})
+
+    def tokens(self) -> list[TokenPublic]:
+        return self._get("/admin/tokens", TokensPublic).data
+
+    def revoke_token(self, token_id: int) -> TokenPublic:
+        return self._call("DELETE", f"/admin/tokens/{token_id}", TokenPublic, resend=True)
 
     # --- queues and health ------------------------------------------------------------------
 

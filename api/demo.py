@@ -105,7 +105,7 @@ def write_demo_dataset(folder: Path) -> None:
 
 def run_demo_job(url: str, *, dataset: Path, steps: int, workers: int, console: Console) -> int:
     """Submit the demo job to the API at `url`, print its state and loss as it trains; 0 if it succeeded."""
-    with ApiaryClient(url, user="demo") as client:
+    with ApiaryClient(url) as client:  # APIARY_TOKEN, if the database has tokens
         job = client.submit(demo_spec(dataset, steps=steps, workers=workers))
         console.print(
             f"[bold]3.[/] submitted job {job.id} ({workers} workers, {steps} steps); waiting for Ray"

@@ -1,14 +1,36 @@
-"""Dependencies: route signatures read like a spec (`JobsDep`, `SchedulerDep`, `OwnerDep`)."""
+"""Dependencies: route signatures read like a spec (`JobsDep`, `SchedulerDep`, `CurrentUser`)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request
+from fastapi.security import APIKeyCookie, HTTPAuthorizationCredentials, HTTPBearer
 
+from service.auth import Auth, User
 from service.jobs import JobService
 from service.runtime import Runtime
 from service.scheduler import Scheduler
+from service.settings import Settings
+
+TOKEN_COOKIE = "apiary_token"  # the web view's token (set by POST /login), HttpOnly
+
+# auto_error=False: a missing token is not an error while auth is not required (service.auth).
+BEARER = HTTPBearer(auto_error=False, description="An API token: `apiary token create NAME`.")
+COOKIE = APIKeyCookie(name=TOKEN_COOKIE, auto_error=False, description="The web view's token.")
+
+# What every route that needs a user may answer besides its own statuses (declared in the OpenAPI).
+AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: {"description": "No API token, or an unknown or revoked one (`Authorization: Bearer ...`)."},
+}
+OWNER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **AUTH_RESPONSES,
+    403: {"description": "Only the job's owner or an admin may do this."},
+}
+ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **AUTH_RESPONSES,
+    403: {"description": "Only an admin may do this."},
+}
 
 
 def get_runtime(request: Request) -> Runtime:
@@ -24,11 +46,27 @@ def get_scheduler(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Schedule
     return runtime.scheduler
 
 
-def get_owner(x_apiary_user: Annotated[str | None, Header(max_length=128)] = None) -> str:
-    return x_apiary_user or "anonymous"
+def get_auth(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Auth:
+    return runtime.auth
+
+
+def get_settings(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Settings:
+    return runtime.settings
+
+
+def get_current_user(
+    auth: Annotated[Auth, Depends(get_auth)],
+    bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)],
+    cookie: Annotated[str | None, Depends(COOKIE)],
+) -> User:
+    """The request's user: its bearer token's (the API, CLI, SDK), else its cookie's (the web view),
+    else the local user while auth is not required; 401 otherwise."""
+    return auth.authenticate(bearer.credentials if bearer is not None else cookie)
 
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 JobsDep = Annotated[JobService, Depends(get_jobs)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
-OwnerDep = Annotated[str, Depends(get_owner)]
+AuthDep = Annotated[Auth, Depends(get_auth)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+CurrentUser = Annotated[User, Depends(get_current_user)]

@@ -13,6 +13,7 @@ from service.errors import (
     ApiaryError,
     AttemptSuperseded,
     ClusterUnavailable,
+    Forbidden,
     IdempotencyKeyReused,
     InvalidReport,
     InvalidSpec,
@@ -21,6 +22,8 @@ from service.errors import (
     JobNotStarted,
     LogsNotFound,
     ReportRefused,
+    TokenNotFound,
+    Unauthenticated,
 )
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,9 @@ STATUS: dict[type[ApiaryError], int] = {
     ReportRefused: 401,
     AttemptSuperseded: 403,
     InvalidReport: 422,
+    Unauthenticated: 401,
+    Forbidden: 403,
+    TokenNotFound: 404,
 }
 
 

@@ -10,12 +10,23 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.queues import QueueConfig
-from service.spec import JobSpec
+from service.spec import MAX_PRIORITY, JobSpec, Queue
 from service.states import CheckpointState, JobState
 
 if TYPE_CHECKING:  # the SDK (api.client) reads these schemas without the database's modules
     from service.jobs import QueueView
-    from service.models import Checkpoint, Job, JobEvent, Metric
+    from service.models import ApiToken, Checkpoint, Job, JobEvent, Metric
+
+
+class JobUpdate(BaseModel):
+    """PATCH /jobs/{id} (admins): what to change; a field left out stays as it is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    queue: Queue | None = Field(default=None, description="Move a queued job to this queue.")
+    priority: int | None = Field(
+        default=None, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="The job's new priority."
+    )
 
 
 class JobPublic(BaseModel):
@@ -185,3 +196,46 @@ class QueuePublic(BaseModel):
 
 class QueuesPublic(BaseModel):
     data: list[QueuePublic]
+
+
+class UserPublic(BaseModel):
+    """GET /me: who the request's token (or, without auth, the local user) is."""
+
+    user: str
+    admin: bool
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    user: str = Field(min_length=1, max_length=128, description="Who the token is: its jobs' owner.")
+    admin: bool = False
+
+
+class TokenPublic(BaseModel):
+    """A token as listed: never its secret (only its hash is stored)."""
+
+    id: int
+    user: str
+    admin: bool
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @classmethod
+    def build(cls, token: ApiToken) -> TokenPublic:
+        return cls(
+            id=token.id,
+            user=token.user_name,
+            admin=token.admin,
+            created_at=token.created_at,
+            revoked_at=token.revoked_at,
+        )
+
+
+class TokenCreated(TokenPublic):
+    token: str = Field(description="The secret: shown this once, send it as `Authorization: Bearer ...`.")
+
+
+class TokensPublic(BaseModel):
+    data: list[TokenPublic]
+    count: int

@@ -152,7 +152,7 @@ async def submit(
     first_read_timeout_s: float | None,
 ) -> None:
     """Send one submission until it is answered, as an SDK does: same key on every try."""
-    headers = {"Idempotency-Key": f"bench-{index}", "X-Apiary-User": f"user-{index % 10}"}
+    headers = {"Idempotency-Key": f"bench-{index}"}
     started = time.perf_counter()
     for attempt in range(MAX_TRIES):
         outcome.tries += 1

@@ -287,7 +287,7 @@ def run_apiary(
     beside: list[dict[str, Any]] = []
     try:
         startup_s = serve.wait_healthy()
-        with ApiaryClient(serve.url, user="benchmark") as client:
+        with ApiaryClient(serve.url) as client:
             warm = run_job(client, warmup_spec, timeout_s=900)
             for repeat in range(repeats):
                 print(f"Apiary job {repeat + 1}/{repeats} ...", flush=True)

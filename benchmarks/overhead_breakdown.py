@@ -252,7 +252,7 @@ def run_windows(
     windows: list[dict[str, Any]] = []
     try:
         serve.wait_healthy()
-        with ApiaryClient(serve.url, user="benchmark") as client:
+        with ApiaryClient(serve.url) as client:
             run_job(
                 client,
                 build_spec(args, dataset_uri=dataset_uri, max_steps=args.warmup_job_steps, name="warmup"),

@@ -107,7 +107,7 @@ class Bench:
         )
 
     def client(self) -> ApiaryClient:
-        return ApiaryClient(self.served.url, user="bench")
+        return ApiaryClient(self.served.url)
 
     def restart_killed_service(self) -> None:
         port = int(self.served.url.rsplit(":", 1)[1])

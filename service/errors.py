@@ -44,6 +44,18 @@ class LogsNotFound(ApiaryError):
     """Ray has no logs for that attempt of the job."""
 
 
+class Unauthenticated(ApiaryError):
+    """Send an API token: `Authorization: Bearer <token>` (create one with `apiary token create NAME`)."""
+
+
+class Forbidden(ApiaryError):
+    """Your token may not do this: only the job's owner or an admin may."""
+
+
+class TokenNotFound(ApiaryError):
+    """No API token has this id."""
+
+
 class IdempotencyKeyReused(ApiaryError):
     """This Idempotency-Key was already used for a different request: use a new key for a new job."""
 

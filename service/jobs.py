@@ -23,8 +23,9 @@ from datetime import datetime, timedelta
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import logs, repository
+from service import auth, logs, repository
 from service.allowlists import check_dataset, check_trainer
+from service.auth import User
 from service.cluster import ClusterBackend, stop_job
 from service.db import Database
 from service.errors import (
@@ -123,18 +124,20 @@ class JobService:
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
 
-    def submit(self, spec: JobSpec, *, owner: str) -> Job:
-        """Check that the job can run, then queue it. A refused job writes nothing.
+    def submit(self, spec: JobSpec, *, by: User) -> Job:
+        """Check that the job can run, then queue it, owned by `by`. A refused job writes nothing.
 
-        The stored spec is what runs: a job without `max_runtime_s` gets its queue's default.
+        The stored spec is what runs: a job without `max_runtime_s` gets its queue's default. A
+        priority above `Settings.user_max_priority` is an admin's to give (service.auth).
         """
-        return self.submit_idempotent(spec, owner=owner, key=None).job
+        return self.submit_idempotent(spec, by=by, key=None).job
 
-    def submit_idempotent(self, spec: JobSpec, *, owner: str, key: str | None) -> Submission:
+    def submit_idempotent(self, spec: JobSpec, *, by: User, key: str | None) -> Submission:
         """`submit`, once per `key` (see the module docstring); `key=None` always creates a job.
 
         A replay answers with the job as it is now, without checking the spec again (its dataset
         may have moved since: the job exists, and the first request was the one checked)."""
+        owner = by.name
         digest = request_hash(spec)
         if key is not None:
             with self.db.session() as session:
@@ -143,6 +146,7 @@ class JobService:
                 )
                 if found is not None:
                     return self._replay(session, found, digest)
+        auth.check_priority(by, spec.priority, ceiling=self.settings.user_max_priority)
         spec = self._apply_queue(spec)
         check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
         check_dataset(
@@ -194,32 +198,64 @@ class JobService:
     def _keys_expire_before(self) -> datetime:
         return utcnow() - timedelta(seconds=self.settings.idempotency_key_ttl_s)
 
-    def cancel(self, job_id: int, *, actor: str = "user") -> Job:
+    def cancel(self, job_id: int, *, by: User) -> Job:
+        """Cancel a queued or running job (its owner or an admin)."""
         with self.db.session() as session:
             job = repository.get_job(session, job_id, for_update=True)
+            auth.require_owner_or_admin(by, owner=job.owner, job_id=job_id, action="cancel")
             if job.state.is_terminal:
                 raise InvalidTransition(f"job {job_id} is already {job.state.value}")
             submission_id = job.ray_submission_id if job.state is not JobState.QUEUED else None
             repository.transition(
-                session, job, JobState.CANCELLED, actor=actor, reason=f"cancelled by {actor}"
+                session, job, JobState.CANCELLED, actor=by.name, reason=f"cancelled by {by.name}"
             )
         if submission_id:
             stop_job(self.backend, submission_id)
         return job
 
-    def preempt(self, job_id: int, *, actor: str) -> Job:
-        """Tell a running job to checkpoint and stop; it goes back to the queue in its place."""
+    def preempt(self, job_id: int, *, by: User) -> Job:
+        """Tell a running job to checkpoint and stop; it goes back to the queue in its place (its owner
+        or an admin)."""
         with self.db.session() as session:
             job = repository.get_job(session, job_id, for_update=True)
+            auth.require_owner_or_admin(by, owner=job.owner, job_id=job_id, action="preempt")
             if job.state is not JobState.RUNNING:
                 raise InvalidTransition(
                     f"job {job_id} is {job.state.value}: only a running job can be preempted"
                 )
             job = repository.request_stop(
-                session, job, why=StopReason.USER, actor=actor, reason=f"preempted by {actor}"
+                session, job, why=StopReason.USER, actor=by.name, reason=f"preempted by {by.name}"
             )
         self.metrics.job_preempted(queue=job.queue, by="user")
         return job
+
+    def update(
+        self, job_id: int, *, by: User, queue: Queue | None = None, priority: int | None = None
+    ) -> Job:
+        """Change a job's priority (until it ends) or queue (while it waits): an admin's decision.
+        A new queue's limits apply as at submission (`_apply_queue`)."""
+        auth.require_admin(by, action="change a job's queue or priority")
+        with self.db.session() as session:
+            job = repository.get_job(session, job_id, for_update=True)
+            if job.state.is_terminal:
+                raise InvalidTransition(f"job {job_id} is already {job.state.value}")
+            spec = JobSpec.model_validate(job.spec)
+            if queue is not None and queue.value != job.queue:
+                if job.state is not JobState.QUEUED:
+                    raise InvalidTransition(
+                        f"job {job_id} is {job.state.value}: only a queued job can move to another queue"
+                    )
+                spec = self._apply_queue(spec.model_copy(update={"queue": queue}))
+            if priority is not None:
+                spec = spec.model_copy(update={"priority": priority})
+            return repository.update_job(
+                session,
+                job,
+                queue=queue.value if queue is not None else None,
+                priority=priority,
+                spec=spec,
+                actor=by.name,
+            )
 
     def ingest(self, job_id: int, batch: TelemetryBatch, *, token: str | None) -> TelemetryReply:
         """Store a trainer rank's telemetry (its metric points, maybe a saved checkpoint); the reply

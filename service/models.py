@@ -1,5 +1,5 @@
 """Database tables: jobs, their event history, per-step metrics and checkpoints; the scheduler's lease,
-the owners' fair-share usage, and the submissions' idempotency keys."""
+the owners' fair-share usage, the submissions' idempotency keys, and the API tokens."""
 
 from __future__ import annotations
 
@@ -232,3 +232,16 @@ class IdempotencyKey(Base):
     request_hash: Mapped[str] = mapped_column(String(64))
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+
+
+class ApiToken(Base):
+    """An API token (service.auth): only the SHA-256 of its secret is stored, never the secret."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    user_name: Mapped[str] = mapped_column(String(128))  # the owner of the jobs this token submits
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -13,8 +13,9 @@ from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
-from service.errors import InvalidTransition, JobNotFound
+from service.errors import InvalidTransition, JobNotFound, TokenNotFound
 from service.models import (
+    ApiToken,
     Checkpoint,
     CheckpointState,
     IdempotencyKey,
@@ -133,10 +134,12 @@ def unfinished_jobs(session: Session) -> list[Job]:
 
 
 # What the scheduler reads of every unfinished job at each tick: everything but the spec, which never
-# changes and is read once per job (`specs`).
+# changes and is read once per job (`specs`); an admin may change the queue and priority (update_job).
 SCHEDULING_COLUMNS = (
     Job.id,
     Job.state,
+    Job.queue,
+    Job.priority,
     Job.owner,
     Job.created_at,
     Job.admitted_at,
@@ -314,6 +317,25 @@ def request_stop(session: Session, job: Job, *, why: StopReason, actor: str, rea
         stop_requested=why.value,
         stop_requested_at=utcnow(),
     )
+
+
+def update_job(
+    session: Session, job: Job, *, queue: str | None, priority: int | None, spec: JobSpec, actor: str
+) -> Job:
+    """Move a job to another queue or give it another priority (its stored spec says the same), with an
+    event that says who did and what changed."""
+    changes = []
+    if queue is not None and queue != job.queue:
+        changes.append(f"queue {job.queue} -> {queue}")
+        job.queue = queue
+    if priority is not None and priority != job.priority:
+        changes.append(f"priority {job.priority} -> {priority}")
+        job.priority = priority
+    if changes:
+        job.spec = spec.model_dump(mode="json")
+        record_event(session, job, actor=actor, reason=f"{', '.join(changes)} by {actor}")
+        logger.info("job updated", extra={"action": "job_updated", "job": {"id": job.id, "changes": changes}})
+    return job
 
 
 def record_event(session: Session, job: Job, *, actor: str, reason: str) -> None:
@@ -719,3 +741,44 @@ def failure_history(session: Session, *, now: datetime, limit: int = 1000) -> tu
 def _aware(value: datetime) -> datetime:
     # SQLite gives back naive datetimes (stored as UTC).
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+# -- API tokens (service.auth): only hashes are stored -------------------------------------------------
+
+
+def add_token(session: Session, *, user_name: str, admin: bool, token_hash: str) -> ApiToken:
+    token = ApiToken(user_name=user_name, admin=admin, token_hash=token_hash)
+    session.add(token)
+    session.flush()
+    logger.info(
+        "API token created",
+        extra={"action": "token_created", "token": {"id": token.id, "user": user_name, "admin": admin}},
+    )
+    return token
+
+
+def find_active_token(session: Session, *, token_hash: str) -> ApiToken | None:
+    return session.scalars(
+        select(ApiToken).where(ApiToken.token_hash == token_hash, ApiToken.revoked_at.is_(None))
+    ).one_or_none()
+
+
+def any_active_token(session: Session) -> bool:
+    return session.scalar(select(ApiToken.id).where(ApiToken.revoked_at.is_(None)).limit(1)) is not None
+
+
+def list_tokens(session: Session) -> list[ApiToken]:
+    return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
+
+
+def revoke_token(session: Session, token_id: int) -> ApiToken:
+    token = session.get(ApiToken, token_id)
+    if token is None:
+        raise TokenNotFound(f"API token {token_id} does not exist")
+    if token.revoked_at is None:
+        token.revoked_at = utcnow()
+        logger.info(
+            "API token revoked",
+            extra={"action": "token_revoked", "token": {"id": token.id, "user": token.user_name}},
+        )
+    return token

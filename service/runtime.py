@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from service.auth import Auth
 from service.cluster import ClusterBackend, LocalRay, RayBackend, pid_running
 from service.db import Database
 from service.errors import ClusterUnavailable
@@ -36,6 +37,7 @@ class Runtime:
         self.local_ray: LocalRay | None = None
         self.db: Database | None = None
         self._jobs: JobService | None = None
+        self._auth: Auth | None = None
         self._scheduler: Scheduler | None = None
         self._stopping = threading.Event()
         self._watchdog: threading.Thread | None = None
@@ -44,6 +46,11 @@ class Runtime:
     def jobs(self) -> JobService:
         assert self._jobs is not None, "Runtime.start() first"
         return self._jobs
+
+    @property
+    def auth(self) -> Auth:
+        assert self._auth is not None, "Runtime.start() first"
+        return self._auth
 
     @property
     def scheduler(self) -> Scheduler:
@@ -59,6 +66,7 @@ class Runtime:
         else:  # a deployment's own step (`apiary db upgrade`) migrated, or must have
             self.db.require_head()
         backend = self._given_backend or self._connect_ray()
+        self._auth = Auth(db=self.db, settings=self.settings)
         self._jobs = JobService(db=self.db, backend=backend, settings=self.settings, metrics=self.metrics)
         self._scheduler = Scheduler(db=self.db, backend=backend, settings=self.settings, metrics=self.metrics)
         self.metrics.watch_database(self._jobs.gauges)

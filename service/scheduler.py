@@ -496,6 +496,7 @@ class Scheduler:
     def schedule(self, now: float) -> Decisions:
         with self.db.session() as session:
             rows = repository.scheduling_rows(session)
+            self._forget_changed(rows)
             self._learn_specs(session, [row.id for row in rows])
             stored_usage = repository.owner_usage(session)
         live = {row.id for row in rows}
@@ -522,8 +523,16 @@ class Scheduler:
         self._store_waiting(decisions, before=waiting_before, admitted=set(decisions.admit))
         return decisions
 
+    def _forget_changed(self, rows: Sequence[Any]) -> None:
+        """Drop the templates of the jobs whose queue or priority an admin changed: learned again."""
+        for row in rows:
+            template = self._templates.get(row.id)
+            if template is not None and (template.queue, template.priority) != (row.queue, row.priority):
+                del self._templates[row.id], self._max_steps[row.id]
+
     def _learn_specs(self, session: Session, job_ids: Sequence[int]) -> None:
-        """Gang templates (and max_steps) of the jobs not seen before: a spec never changes."""
+        """Gang templates (and max_steps) of the jobs not seen before: a spec never changes, but for the
+        queue and priority an admin may change (PATCH /jobs/{id} stores them in the spec too)."""
         new = [job_id for job_id in job_ids if job_id not in self._templates]
         if not new:
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -16,6 +17,13 @@ from service.queues import QueuesConfig
 # Docker's and Kubernetes' secret files: a file named like the variable (`apiary_database_url`,
 # `apiary_ray_auth_token`, `aws_secret_access_key`) holds its value; an environment variable wins.
 SECRETS_DIR = Path("/run/secrets")
+
+
+def _login_name() -> str:
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # no login name (e.g. a container's unnamed uid)
+        return "local"
 
 
 class Settings(BaseSettings):
@@ -67,6 +75,22 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     public_url: str | None = Field(
         default=None, description="How trainers reach this API; default http://{host}:{port}."
+    )
+
+    auth_required: bool = Field(
+        default=False,
+        description="Every request needs an API token, even before one exists (service.auth); auth "
+        "is required anyway once any token exists.",
+    )
+    local_user: str = Field(
+        default_factory=_login_name,
+        max_length=128,
+        description="Who every request is while auth is not required (one local user, an admin); "
+        "default: the service's login name.",
+    )
+    user_max_priority: int = Field(
+        default=10,
+        description="The highest priority a non-admin may give a job; above it is an admin's to give.",
     )
 
     local_ray_cpus: int = Field(

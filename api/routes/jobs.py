@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Response, status
 
-from api.deps import JobsDep, OwnerDep, SchedulerDep
+from api.deps import ADMIN_RESPONSES, OWNER_RESPONSES, CurrentUser, JobsDep, SchedulerDep
 from api.schemas import (
     CheckpointPublic,
     CheckpointsPublic,
@@ -14,6 +14,7 @@ from api.schemas import (
     EventsPublic,
     JobPublic,
     JobsPublic,
+    JobUpdate,
     MetricPublic,
     MetricsPublic,
 )
@@ -29,6 +30,7 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
     response_model=JobPublic,
     responses={
         200: {"model": JobPublic, "description": "A repeat of an earlier request's Idempotency-Key."},
+        403: {"description": "A priority above the non-admin ceiling (APIARY_USER_MAX_PRIORITY)."},
         409: {"description": "The Idempotency-Key was used for a different spec."},
     },
 )
@@ -36,7 +38,7 @@ def submit_job(
     spec: JobSpec,
     jobs: JobsDep,
     scheduler: SchedulerDep,
-    owner: OwnerDep,
+    user: CurrentUser,
     response: Response,
     idempotency_key: Annotated[
         str | None,
@@ -49,9 +51,11 @@ def submit_job(
         ),
     ] = None,
 ) -> JobPublic:
-    """Queue a training job (201). A job that could never run is refused (422 naming the field),
-    unwritten. With an `Idempotency-Key`, a retry never creates a second job (200: the first one)."""
-    submission = jobs.submit_idempotent(spec, owner=owner, key=idempotency_key)
+    """Queue a training job (201), owned by the token's user. A job that could never run is refused
+    (422 naming the field), unwritten, and so is a priority above the non-admin ceiling unless an admin
+    asks (403 naming `priority`). With an `Idempotency-Key`, a retry never creates a second job (200:
+    the first one)."""
+    submission = jobs.submit_idempotent(spec, by=user, key=idempotency_key)
     if submission.replayed:
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
@@ -77,17 +81,41 @@ def get_job(job_id: int, jobs: JobsDep) -> JobPublic:
     return JobPublic.build(jobs.get_job(job_id))
 
 
-@router.post("/{job_id}/cancel", response_model=JobPublic)
-def cancel_job(job_id: int, jobs: JobsDep) -> JobPublic:
-    """Cancel a queued or running job (a running one's Ray job is stopped). 409 if it already ended."""
-    return JobPublic.build(jobs.cancel(job_id))
+@router.patch(
+    "/{job_id}",
+    response_model=JobPublic,
+    responses={**ADMIN_RESPONSES, 409: {"description": "The job ended, or runs (a queue change)."}},
+)
+def update_job(
+    job_id: int, update: JobUpdate, jobs: JobsDep, scheduler: SchedulerDep, user: CurrentUser
+) -> JobPublic:
+    """Change a job's priority (until it ends) or move a queued job to another queue (admins only).
+    The new queue's limits apply as at submission (422 naming the field)."""
+    job = jobs.update(job_id, by=user, queue=update.queue, priority=update.priority)
+    scheduler.wake()
+    return JobPublic.build(job)
 
 
-@router.post("/{job_id}/preempt", response_model=JobPublic)
-def preempt_job(job_id: int, jobs: JobsDep, scheduler: SchedulerDep, owner: OwnerDep) -> JobPublic:
+@router.post(
+    "/{job_id}/cancel",
+    response_model=JobPublic,
+    responses={**OWNER_RESPONSES, 409: {"description": "The job already ended."}},
+)
+def cancel_job(job_id: int, jobs: JobsDep, user: CurrentUser) -> JobPublic:
+    """Cancel a queued or running job (a running one's Ray job is stopped): its owner or an admin.
+    409 if it already ended."""
+    return JobPublic.build(jobs.cancel(job_id, by=user))
+
+
+@router.post(
+    "/{job_id}/preempt",
+    response_model=JobPublic,
+    responses={**OWNER_RESPONSES, 409: {"description": "The job is not running."}},
+)
+def preempt_job(job_id: int, jobs: JobsDep, scheduler: SchedulerDep, user: CurrentUser) -> JobPublic:
     """Checkpoint a running job and put it back in its queue, in its place (it resumes from that
-    checkpoint when admitted again). 409 unless it is running."""
-    job = jobs.preempt(job_id, actor=owner)
+    checkpoint when admitted again): its owner or an admin. 409 unless it is running."""
+    job = jobs.preempt(job_id, by=user)
     scheduler.wake()
     return JobPublic.build(job)
 

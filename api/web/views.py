@@ -1,6 +1,11 @@
 """The pages: the queue view at `/` and a job's page at `/jobs/{id}` (for a browser: the same path answers
 JSON to every other client), and the static files they use under `/static`.
 
+The pages need a user like every JSON route (service.auth): a browser without a valid `apiary_token`
+cookie is sent to `/login`, a small form that checks a token and sets that cookie (HttpOnly, SameSite
+Strict, so that another site's page cannot post with it); the page's Cancel and Preempt buttons call the
+JSON routes with it.
+
 Server-rendered with Jinja2 (autoescaped: every name, reason and message comes from users or trainers).
 The pages stay live through the streams (api.routes.streams): the script swaps in a fresh rendering of
 a page's live part (`?part=live`) when a stream says something changed, and draws the charts. The
@@ -14,19 +19,24 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import parse_qs, quote
 
 import jinja2
-from fastapi import APIRouter, FastAPI, Query, Request
-from fastapi.responses import HTMLResponse
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from starlette.concurrency import run_in_threadpool
 from starlette.routing import Match
 from starlette.types import Scope
 
-from api.deps import JobsDep
+from api.deps import BEARER, COOKIE, TOKEN_COOKIE, AuthDep, JobsDep, get_current_user
 from api.schemas import CheckpointPublic, EventPublic, JobPublic
 from service import repository
+from service.auth import Auth, User
+from service.errors import Unauthenticated
 from service.jobs import QueueView
 from service.models import Job
 from service.states import ACTIVE_STATES, JobState
@@ -88,6 +98,83 @@ class HtmlRoute(APIRoute):
 
 
 router = APIRouter(route_class=HtmlRoute, include_in_schema=False)
+login_router = APIRouter(include_in_schema=False)
+
+
+class LoginRequired(Exception):
+    """A page was asked for without a valid token: the browser goes to the login form."""
+
+    def __init__(self, next_path: str) -> None:
+        super().__init__(next_path)
+        self.next_path = next_path
+
+
+def get_page_user(
+    request: Request,
+    auth: AuthDep,
+    bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)],
+    cookie: Annotated[str | None, Depends(COOKIE)],
+) -> User:
+    try:
+        return get_current_user(auth, bearer, cookie)
+    except Unauthenticated:
+        raise LoginRequired(request.url.path) from None
+
+
+PageUser = Annotated[User, Depends(get_page_user)]
+
+
+def _safe_next(path: str | None) -> str:
+    """Where to go after logging in: a path on this site only (never `//evil.example`)."""
+    if path and path.startswith("/") and not path.startswith("//") and "\\" not in path:
+        return path
+    return "/"
+
+
+async def login_required(_request: Request, error: Exception) -> Response:
+    assert isinstance(error, LoginRequired)
+    return RedirectResponse(f"/login?next={quote(error.next_path)}", status_code=303)
+
+
+@login_router.get("/login", response_class=HTMLResponse)
+def login_page(request: Request, next: Annotated[str | None, Query()] = None) -> HTMLResponse:
+    return templates.TemplateResponse(request, "login.html", {"next": _safe_next(next), "error": None})
+
+
+@login_router.post("/login", response_class=HTMLResponse)
+async def login(request: Request, auth: AuthDep) -> Response:
+    """Check the form's token; if good, keep it in an HttpOnly cookie and go on to `next`."""
+    form = parse_qs((await request.body()).decode("utf-8", "replace"))
+    token = (form.get("token") or [""])[0].strip()
+    next_path = _safe_next((form.get("next") or ["/"])[0])
+    try:
+        await run_in_threadpool(_check_token, auth, token)  # a database read: off the event loop
+    except Unauthenticated as err:
+        context = {"next": next_path, "error": err.message}
+        return templates.TemplateResponse(request, "login.html", context, status_code=401)
+    response = RedirectResponse(next_path, status_code=303)
+    response.set_cookie(
+        TOKEN_COOKIE,
+        token,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        max_age=30 * 86400,
+    )
+    return response
+
+
+def _check_token(auth: Auth, token: str) -> None:
+    if not token:
+        raise Unauthenticated("paste an API token (`apiary token create NAME` makes one)")
+    auth.authenticate(token)
+
+
+@login_router.post("/logout")
+def logout() -> Response:
+    response = RedirectResponse("/login", status_code=303)
+    response.delete_cookie(TOKEN_COOKIE, httponly=True, samesite="strict")
+    return response
 
 
 def progress(job: Job) -> dict[str, Any]:
@@ -127,6 +214,7 @@ def capacity(view: QueueView) -> list[dict[str, Any]]:
 def queue_page(
     request: Request,
     jobs: JobsDep,
+    user: PageUser,
     offset: Annotated[int, Query(ge=0)] = 0,
     finished_offset: Annotated[int, Query(ge=0)] = 0,
     part: Annotated[str | None, Query(pattern="^live$")] = None,
@@ -147,6 +235,7 @@ def queue_page(
         "finished_offset": finished_offset,
         "queue_page": QUEUE_PAGE,
         "finished_page": FINISHED_PAGE,
+        "user": user,
     }
     name = "queues_live.html" if part else "queues.html"
     return templates.TemplateResponse(request, name, context)
@@ -157,6 +246,7 @@ def job_page(
     job_id: int,
     request: Request,
     jobs: JobsDep,
+    user: PageUser,
     part: Annotated[str | None, Query(pattern="^live$")] = None,
 ) -> HTMLResponse:
     with jobs.db.session() as session:
@@ -176,6 +266,7 @@ def job_page(
         "cursor": f"{event_id}.{metric_id}",
         "spec_json": json.dumps(public.spec.model_dump(mode="json"), indent=2),
         "now": time.time(),
+        "user": user,
     }
     name = "job_live.html" if part else "job.html"
     return templates.TemplateResponse(request, name, context)
@@ -184,4 +275,6 @@ def job_page(
 def install(app: FastAPI) -> None:
     """Add the pages (before the JSON routes they share a path with) and the static files."""
     app.include_router(router)
+    app.include_router(login_router)
+    app.add_exception_handler(LoginRequired, login_required)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")

@@ -1,7 +1,7 @@
 """report tokens: the sha256 of the current attempt's report token, which its telemetry must carry
 
 Revision ID: 0009
-Revises: 0006
+Revises: 0008
 Create Date: 2026-12-01 21:30:00
 """
 
@@ -12,7 +12,7 @@ from alembic import op
 
 revision = "0009"
 # 0007 and 0008 come from other branches; the merge relinks this one after them.
-down_revision = "0006"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 

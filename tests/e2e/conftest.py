@@ -130,7 +130,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 @pytest.fixture
 def client(served: Served) -> Iterator[ApiaryClient]:
-    with ApiaryClient(served.url, user="e2e") as client:
+    with ApiaryClient(served.url) as client:
         yield client
 
 

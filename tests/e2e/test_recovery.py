@@ -50,7 +50,7 @@ def long_spec(dataset: str, name: str, **overrides: Any) -> dict[str, Any]:
 def reference(served: Served, dataset: str) -> dict[str, dict[str, Any]]:
     """The undisturbed runs, DDP and FSDP: their final checkpoint and rank 0's loss at every step."""
     runs = {}
-    with ApiaryClient(served.url, user="e2e") as client:
+    with ApiaryClient(served.url) as client:
         for strategy in ("ddp", "fsdp"):
             job = client.wait(
                 client.submit(long_spec(dataset, f"whole-{strategy}", strategy=strategy)).id, timeout_s=400
@@ -165,7 +165,7 @@ def test_serve_killed_mid_run_loses_nothing_and_the_run_is_the_same(
 ) -> None:
     data_dir = tmp_path / "data"
     first = start_serve(data_dir=data_dir, database_url=postgres_url, log=tmp_path / "serve-1.log")
-    with ApiaryClient(first.url, user="e2e") as client:
+    with ApiaryClient(first.url) as client:
         job = client.submit(long_spec(dataset, "serve-kill"))
         wait_for_step(client, job.id, KILL_AFTER)
     first.process.kill()
@@ -178,7 +178,7 @@ def test_serve_killed_mid_run_loses_nothing_and_the_run_is_the_same(
     )
     try:
         assert second.ray_state()["pid"] == first.ray_state()["pid"]
-        with ApiaryClient(second.url, user="e2e") as client:
+        with ApiaryClient(second.url) as client:
             job = client.wait(job.id, timeout_s=400)
             assert_same_run(client, job, reference["ddp"])
             assert (job.attempt, job.failures) == (1, 0)  # adopted, not resubmitted
@@ -195,7 +195,7 @@ def test_a_dead_local_ray_is_started_again_and_its_job_recovered(
     served = start_serve(data_dir=tmp_path / "data", database_url=postgres_url, log=tmp_path / "serve.log")
     try:
         old_ray = int(served.ray_state()["pid"])
-        with ApiaryClient(served.url, user="e2e") as client:
+        with ApiaryClient(served.url) as client:
             job = client.submit(long_spec(dataset, "ray-kill"))
             wait_for_step(client, job.id, KILL_AFTER)
             os.killpg(old_ray, signal.SIGKILL)  # the whole local Ray: GCS, raylet, driver, workers
@@ -217,13 +217,13 @@ def test_a_clean_stop_checkpoints_and_requeues_and_the_next_start_resumes(
 ) -> None:
     data_dir = tmp_path / "data"
     first = start_serve(data_dir=data_dir, database_url=postgres_url, log=tmp_path / "serve-1.log")
-    with ApiaryClient(first.url, user="e2e") as client:
+    with ApiaryClient(first.url) as client:
         job = client.submit(long_spec(dataset, "clean-stop"))
         wait_for_step(client, job.id, KILL_AFTER)
     stop_serve(first)
     second = start_serve(data_dir=data_dir, database_url=postgres_url, log=tmp_path / "serve-2.log")
     try:
-        with ApiaryClient(second.url, user="e2e") as client:
+        with ApiaryClient(second.url) as client:
             job = client.wait(job.id, timeout_s=400)
             assert_same_run(client, job, reference["ddp"])
             assert (job.attempt, job.failures, job.preemptions) == (2, 0, 0)

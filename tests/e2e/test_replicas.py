@@ -77,7 +77,7 @@ def test_one_replica_schedules_and_the_other_takes_over_when_it_is_killed(
     leader = next(served for pid, served in pids.items() if f":{pid}:" in holder)
     follower = second if leader is first else first
 
-    with ApiaryClient(follower.url, user="e2e") as client:  # any replica takes submissions
+    with ApiaryClient(follower.url) as client:  # any replica takes submissions
         jobs = [client.submit({**spec, "name": f"replica-{i}"}).id for i in range(6)]
         wait_until(
             lambda: sum(client.get(job).state != "queued" for job in jobs) >= 2,

@@ -42,7 +42,7 @@ def test_a_job_reads_s3_and_checkpoints_to_s3_through_the_service(
         log=tmp_path / "serve.log",
     )
     try:
-        with ApiaryClient(served.url, user="e2e") as client:
+        with ApiaryClient(served.url) as client:
             job = client.submit(spec)
             job = client.wait(job.id, timeout_s=400)
             assert job.state == "succeeded", job

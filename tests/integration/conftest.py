@@ -1,5 +1,8 @@
 """The service over real HTTP on SQLite and PostgreSQL, with a fake cluster (Ray is not under test here;
-tests/e2e runs the real thing). The scheduler does not loop: each test calls `tick()` when it wants one."""
+tests/e2e runs the real thing). The scheduler does not loop: each test calls `tick()` when it wants one.
+
+Without tokens every request is the local user, `ada` here (service.auth); `Service.token()` issues
+one (from then on every request needs one) and `Service.as_user()` is an HTTP client that sends it."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ class Service:
         self.http = http
         self.runtime = runtime
         self.backend = backend
+        self._clients: list[httpx.Client] = []
 
     def tick(self, now: float | None = None) -> None:
         self.runtime.scheduler.tick(now)
@@ -53,35 +57,57 @@ class Service:
     def count(self) -> int:
         return int(self.http.get("/jobs").json()["count"])
 
+    def token(self, user: str, *, admin: bool = False) -> str:
+        """A new API token's secret (made as `apiary token create` does, on the database)."""
+        return self.runtime.auth.create_token(user=user, admin=admin).secret
+
+    def as_user(self, token: str | None) -> httpx.Client:
+        """An HTTP client of this service that sends `token` (none: no Authorization header)."""
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        client = httpx.Client(base_url=self.http.base_url, headers=headers, timeout=10)
+        self._clients.append(client)
+        return client
+
 
 @pytest.fixture
 def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., Service]]:
-    """Starts the service (at most once per test), with `queues` (service.queues) if given."""
+    """Starts the service (at most once per test), with `queues` (service.queues) if given, and any
+    other Settings; `log_level` is uvicorn's ("info" logs every request)."""
     servers: list[BackgroundServer] = []
 
     def start(
-        *, queues: dict[str, Any] | None = None, nodes: list[dict[str, float]] | None = None
+        *,
+        queues: dict[str, Any] | None = None,
+        nodes: list[dict[str, float]] | None = None,
+        log_level: str = "warning",
+        **settings: Any,
     ) -> Service:
         port = free_port()
         queues_file = None
         if queues is not None:
             queues_file = tmp_path / "queues.yaml"
             queues_file.write_text(yaml.safe_dump(queues))
-        settings = Settings(
+        config = Settings(
             data_dir=tmp_path / "data",
             database_url=database_url,
             port=port,
             queues_file=queues_file,
             # The tests' datasets lie in their tmp_path; their custom trainer is tests.support's.
-            data_roots=str(tmp_path),
-            trainer_modules="tests.support",
+            **{
+                "local_user": "ada",
+                "data_roots": str(tmp_path),
+                "trainer_modules": "tests.support",
+                **settings,
+            },
         )
         backend = FakeBackend(nodes=nodes) if nodes is not None else FakeBackend()
-        runtime = Runtime(settings, backend=backend, run_scheduler=False)
-        server = BackgroundServer(create_app(runtime=runtime), host="127.0.0.1", port=port)
+        runtime = Runtime(config, backend=backend, run_scheduler=False)
+        server = BackgroundServer(
+            create_app(runtime=runtime), host="127.0.0.1", port=port, log_level=log_level
+        )
         server.start()
         servers.append(server)
-        http = httpx.Client(base_url=server.url, headers={"X-Apiary-User": "ada"}, timeout=10)
+        http = httpx.Client(base_url=server.url, timeout=10)
         return Service(http=http, runtime=runtime, backend=backend)
 
     yield start

@@ -39,10 +39,10 @@ def spec_file(tmp_path: Path, spec: dict[str, Any]) -> Path:
 
 @pytest.fixture
 def apiary(service: Service, tmp_path: Path) -> Any:
-    """Runs `apiary ARGS` against the service as user ada (no config file of this machine's)."""
+    """Runs `apiary ARGS` against the service (no config file of this machine's): without a token, as
+    its local user ada."""
     env = {
         "APIARY_URL": str(service.http.base_url),
-        "APIARY_USER": "ada",
         "APIARY_TOKEN": None,
         "APIARY_CONFIG": str(tmp_path / "no-config.toml"),
         "COLUMNS": "200",
@@ -98,7 +98,6 @@ def test_submit_then_list_show_and_queue(apiary: Any, spec_file: Path, service: 
         1
     ]
     assert json.loads(apiary("jobs", "--json", "--mine").stdout)["count"] == 2
-    assert json.loads(apiary("jobs", "--json", "--mine", APIARY_USER="bob").stdout)["count"] == 0
     assert apiary("jobs", "--state", "sleeping").exit_code == 2
 
     shown = apiary("show", "2")
@@ -112,6 +111,15 @@ def test_submit_then_list_show_and_queue(apiary: Any, spec_file: Path, service: 
     queues = json.loads(apiary("queue", "--json").stdout)["data"]
     research = next(q for q in queues if q["name"] == "research")
     assert [job["id"] for job in research["jobs"]] == [2]
+
+    # With a token the CLI is its user: bob reads everything, owns nothing, may not cancel ada's job.
+    bob = service.token("bob")
+    assert json.loads(apiary("jobs", "--json", APIARY_TOKEN=bob).stdout)["count"] == 2
+    assert json.loads(apiary("jobs", "--json", "--mine", APIARY_TOKEN=bob).stdout)["count"] == 0
+    refused = apiary("cancel", "2", APIARY_TOKEN=bob)
+    assert refused.exit_code == 1 and "only its owner or an admin may cancel it" in refused.output
+    anonymous = apiary("jobs")  # now that a token exists, every request needs one
+    assert anonymous.exit_code == 1 and "apiary token create" in anonymous.output
 
 
 def test_refusals_exit_1_with_the_servers_message(apiary: Any, spec_file: Path) -> None:
@@ -197,8 +205,10 @@ def test_submit_watch_and_logs(apiary: Any, spec_file: Path, service: Service) -
     assert apiary("logs", "1", "--attempt", "2").exit_code == 1
 
 
-def test_the_config_file_gives_the_url(apiary: Any, service: Service, tmp_path: Path) -> None:
+def test_the_config_file_gives_the_url_and_the_token(apiary: Any, service: Service, tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
-    config.write_text(f'url = "{service.http.base_url}"\ntoken = "t0ken"\n')
+    config.write_text(f'url = "{service.http.base_url}"\ntoken = "{service.token("carol")}"\n')
     result = apiary("jobs", "--json", APIARY_URL="", APIARY_CONFIG=str(config))
     assert result.exit_code == 0 and json.loads(result.stdout)["count"] == 0
+    refused = apiary("jobs", "--json")  # no token, now that one exists
+    assert refused.exit_code == 1 and "Send an API token" in refused.output

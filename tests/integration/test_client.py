@@ -43,7 +43,7 @@ def spec(classification_dataset: str) -> dict[str, Any]:
 
 @pytest.fixture
 def client(service: Service) -> Iterator[ApiaryClient]:
-    with ApiaryClient(str(service.http.base_url), user="ada", retries=1, backoff_s=0.01) as client:
+    with ApiaryClient(str(service.http.base_url), retries=1, backoff_s=0.01) as client:
         yield client
 
 

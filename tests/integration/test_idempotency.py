@@ -25,9 +25,11 @@ def spec(classification_dataset: str) -> dict[str, Any]:
     return classification_job(classification_dataset, name="once")
 
 
-def post(service: Service, spec: dict[str, Any], key: str | None, *, user: str = "ada") -> httpx.Response:
-    headers = {"X-Apiary-User": user, **({"Idempotency-Key": key} if key is not None else {})}
-    return service.http.post("/jobs", json=spec, headers=headers)
+def post(
+    service: Service, spec: dict[str, Any], key: str | None, *, http: httpx.Client | None = None
+) -> httpx.Response:
+    headers = {"Idempotency-Key": key} if key is not None else {}
+    return (http or service.http).post("/jobs", json=spec, headers=headers)
 
 
 def rows(service: Service) -> tuple[int, int]:
@@ -74,10 +76,11 @@ def test_the_same_key_with_another_spec_is_refused_with_409(service: Service, sp
 
 
 def test_keys_belong_to_their_user(service: Service, spec: dict[str, Any]) -> None:
-    ada = post(service, spec, "shared", user="ada").json()
-    bob = post(service, spec, "shared", user="bob").json()
+    as_ada, as_bob = (service.as_user(service.token(name)) for name in ("ada", "bob"))
+    ada = post(service, spec, "shared", http=as_ada).json()
+    bob = post(service, spec, "shared", http=as_bob).json()
     assert ada["id"] != bob["id"] and (ada["owner"], bob["owner"]) == ("ada", "bob")
-    assert post(service, spec, "shared", user="bob").json()["id"] == bob["id"]
+    assert post(service, spec, "shared", http=as_bob).json()["id"] == bob["id"]
     assert rows(service) == (2, 2)
 
 

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from api.cli import app
 from api.demo import token_table, write_shards
+from service.auth import User
 from service.errors import DatasetError
 from service.protocol import LAUNCH_ENV_VAR
 from service.scheduler import Scheduler
@@ -133,7 +134,7 @@ def test_jobs_get_the_s3_endpoint_and_aws_variables_in_their_runtime_env_only(
             }
         )
         with caplog.at_level("DEBUG"):
-            job = runtime.jobs.submit(spec, owner="u")  # lists the shards on S3 at submission
+            job = runtime.jobs.submit(spec, by=User(name="u"))  # lists the shards on S3 at submission
             assert isinstance(runtime.scheduler, Scheduler)
             runtime.scheduler.tick()
     finally:

@@ -6,9 +6,10 @@ Playwright's own browser download cannot be reached from these machines; `.ci/ru
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,18 +76,17 @@ def post_steps(service: Service, job_id: int, steps: range) -> None:
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_the_queue_view_follows_a_job_live_in_a_browser(
-    service: Service, page: Any, classification_dataset: str
+    start_service: Callable[..., Service], page: Any, classification_dataset: str
 ) -> None:
+    owner = "ada<b>x</b>"  # text from outside (a login name): the page must show it, not run it as markup
+    service = start_service(local_user=owner)
     ARTIFACTS.mkdir(exist_ok=True)
     expect = playwright_api.expect
     base = str(service.http.base_url)
     page.goto(base + "/")
     expect(page.locator(".queue[data-queue=research] h2")).to_contain_text("research")
 
-    owner = "ada<b>x</b>"  # user-controlled text: the page must show it, not run it as markup
-    response = service.http.post(
-        "/jobs", json=spec(classification_dataset, name="resnet-tiny"), headers={"X-Apiary-User": owner}
-    )
+    response = service.http.post("/jobs", json=spec(classification_dataset, name="resnet-tiny"))
     job = response.json()
     row = page.locator(f".queue[data-queue=research] tr[data-job='{job['id']}']")
     expect(row).to_be_visible(timeout=15_000)  # through the queues stream, no reload
@@ -125,3 +125,35 @@ def test_the_queue_view_follows_a_job_live_in_a_browser(
     expect(page.locator("#cancel")).to_be_disabled()
     page.screenshot(path=str(ARTIFACTS / "web-job-cancelled.png"), full_page=True)
     assert service.job(job["id"])["state"] == "cancelled"
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_with_tokens_the_browser_logs_in_and_cancels_its_own_job(
+    service: Service, page: Any, classification_dataset: str
+) -> None:
+    expect = playwright_api.expect
+    ada, bob = service.token("ada"), service.token("bob")
+    job = service.as_user(ada).post("/jobs", json=spec(classification_dataset)).json()
+    base = str(service.http.base_url)
+
+    page.goto(f"{base}/jobs/{job['id']}")
+    page.wait_for_url(re.compile(r"/login\?next=/jobs/"))  # no cookie yet: the login form
+    page.fill("#token", bob)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"**/jobs/{job['id']}")
+    expect(page.locator("#user")).to_have_text("bob")
+    expect(page.locator("#cancel")).to_be_disabled()  # ada's job
+
+    page.click("button.link")  # log out
+    page.wait_for_url("**/login")
+    page.fill("#token", "apiary_wrong")
+    page.click("button[type=submit]")
+    expect(page.locator("#login-error")).to_contain_text("unknown or revoked")
+    page.fill("#token", ada)
+    page.click("button[type=submit]")
+    page.wait_for_url(base + "/")
+    page.goto(f"{base}/jobs/{job['id']}")
+    page.locator("#cancel").click()  # the page's script posts with the HttpOnly cookie
+    expect(page.locator("#job-state")).to_have_text("cancelled", timeout=15_000)
+    expect(page.locator("#events")).to_contain_text("cancelled by ada")
+    assert page.evaluate("document.cookie") == ""  # the script cannot read the token

@@ -1,0 +1,153 @@
+"""Who may do what: API tokens, users and roles. The domain knows users, never HTTP headers.
+
+A token is `apiary_` followed by 43 URL-safe characters (`secrets.token_urlsafe(32)`: 256 random bits),
+shown once, when it is created. The database keeps only its SHA-256, so a copy of the database holds
+no usable token: a token presented with a request is hashed, looked up by that hash, and the stored
+hash compared with `hmac.compare_digest`. A revoked token stops working at once (every request looks
+its token up). Tokens and their hashes are never logged.
+
+Roles (`User.admin`):
+- everyone authenticated may read everything (jobs, events, metrics, logs, queues, the web view);
+- a user submits jobs that they own, with a priority of at most `Settings.user_max_priority`, and may
+  cancel or preempt only their own jobs;
+- an admin may do anything: cancel or preempt any job, submit at any priority, change a job's queue
+  or priority afterwards (`JobService.update`), and create, list and revoke tokens.
+
+Authentication is required once any unrevoked token exists, or when `Settings.auth_required`. Until
+then Apiary is one local user (`Settings.local_user`, an admin), as it was before tokens: `apiary
+serve` refuses to listen on a non-loopback address in that mode (api.cli).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import re
+import secrets
+from dataclasses import dataclass
+
+from service import repository
+from service.db import Database
+from service.errors import Forbidden, InvalidSpec, Unauthenticated
+from service.models import ApiToken
+from service.settings import Settings
+
+TOKEN_PREFIX = "apiary_"
+USER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
+CREATE_TOKEN_HINT = "create one with `apiary token create NAME --admin` (on the server's database)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class User:
+    """Who a request is: the owner of the jobs it submits."""
+
+    name: str
+    admin: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class IssuedToken:
+    """A token just created: the only time its secret exists outside its holder's hands."""
+
+    token: ApiToken
+    secret: str
+
+
+def new_secret() -> str:
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_token(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an interface to listen on) is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_user_name(name: str) -> str:
+    if not USER_NAME.fullmatch(name):
+        raise InvalidSpec(
+            f"user name {name!r} must be 1-128 letters, digits, '.', '_', '@' or '-', starting with a "
+            "letter or digit",
+            field="user",
+        )
+    return name
+
+
+def require_owner_or_admin(user: User, *, owner: str, job_id: int, action: str) -> None:
+    if not (user.admin or user.name == owner):
+        raise Forbidden(f"job {job_id} belongs to {owner}: only its owner or an admin may {action} it")
+
+
+def require_admin(user: User, *, action: str) -> None:
+    if not user.admin:
+        raise Forbidden(f"only an admin may {action}")
+
+
+def check_priority(user: User, priority: int, *, ceiling: int) -> None:
+    """A user's jobs may not jump the queue: a priority above `ceiling` is an admin's to give."""
+    if priority > ceiling and not user.admin:
+        raise Forbidden(
+            f"priority {priority} is above {ceiling}, the most a non-admin may ask for: use "
+            f"{ceiling} or less, or ask an admin",
+            field="priority",
+        )
+
+
+class Auth:
+    """Tokens in the database, and the user a request's token stands for."""
+
+    def __init__(self, *, db: Database, settings: Settings) -> None:
+        self.db = db
+        self.settings = settings
+
+    @property
+    def local_user(self) -> User:
+        return User(name=self.settings.local_user, admin=True)
+
+    def required(self) -> bool:
+        """Whether a request must carry a token (see the module docstring)."""
+        if self.settings.auth_required:
+            return True
+        with self.db.session() as session:
+            return repository.any_active_token(session)
+
+    def authenticate(self, secret: str | None) -> User:
+        """The user `secret` belongs to; without one, the local user unless auth is required."""
+        if not secret:
+            if self.required():
+                raise Unauthenticated()
+            return self.local_user
+        digest = hash_token(secret)
+        with self.db.session() as session:
+            token = repository.find_active_token(session, token_hash=digest)
+            if token is None or not hmac.compare_digest(token.token_hash, digest):
+                raise Unauthenticated(
+                    "this API token is unknown or revoked: ask an admin for a new one, or "
+                    + CREATE_TOKEN_HINT
+                )
+            return User(name=token.user_name, admin=token.admin)
+
+    def create_token(self, *, user: str, admin: bool = False) -> IssuedToken:
+        secret = new_secret()
+        with self.db.session() as session:
+            token = repository.add_token(
+                session, user_name=check_user_name(user), admin=admin, token_hash=hash_token(secret)
+            )
+            return IssuedToken(token=token, secret=secret)
+
+    def list_tokens(self) -> list[ApiToken]:
+        with self.db.session() as session:
+            return repository.list_tokens(session)
+
+    def revoke_token(self, token_id: int) -> ApiToken:
+        with self.db.session() as session:
+            return repository.revoke_token(session, token_id)
