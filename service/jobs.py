@@ -42,7 +42,7 @@ from service.queues import QueueConfig
 from service.settings import Settings
 from service.spec import BUILTIN_TRAINERS, JobSpec, Queue
 from service.states import JobState, StopReason
-from service.storage import list_shards
+from service.storage import list_shards, node_local
 
 logger = logging.getLogger(__name__)
 
@@ -428,6 +428,13 @@ class JobService:
             # Queue anyway: the scheduler admits it once the cluster is back.
             logger.warning("cannot check capacity at submission: %s", err)
             return
+        if len(cluster.nodes) > 1 and not self.settings.shared_filesystem and node_local(spec.dataset.uri):
+            raise InvalidSpec(
+                f"dataset {spec.dataset.uri} is a local path and the cluster has {len(cluster.nodes)} "
+                "nodes, which cannot all read it: put it in object storage (s3://...), or set "
+                "APIARY_SHARED_FILESYSTEM=true on the service if it is a mount every node shares",
+                field="dataset.uri",
+            )
         gang = gang_for(0, spec, data_cpus=self.settings.data_cpus_per_job)
         if not fits_empty_cluster(cluster, gang):
             raise Unschedulable(

@@ -48,15 +48,20 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
     servers: list[BackgroundServer] = []
 
     def start(
-        *, queues: dict[str, Any] | None = None, nodes: list[dict[str, float]] | None = None
+        *, queues: dict[str, Any] | None = None, nodes: list[dict[str, float]] | None = None, **fields: Any
     ) -> Service:
+        """`fields`: more Settings (e.g. shared_filesystem)."""
         port = free_port()
         queues_file = None
         if queues is not None:
             queues_file = tmp_path / "queues.yaml"
             queues_file.write_text(yaml.safe_dump(queues))
         settings = Settings(
-            data_dir=tmp_path / "data", database_url=database_url, port=port, queues_file=queues_file
+            data_dir=tmp_path / "data",
+            database_url=database_url,
+            port=port,
+            queues_file=queues_file,
+            **fields,
         )
         backend = FakeBackend(nodes=nodes) if nodes is not None else FakeBackend()
         runtime = Runtime(settings, backend=backend, run_scheduler=False)

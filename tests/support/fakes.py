@@ -19,6 +19,9 @@ class FakeBackend:
     submitted: list[tuple[str, LaunchRequest]] = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)
     available: bool = True
+    # The runtime_env of the last submission.
+    env_vars: dict[str, str] = field(default_factory=dict)
+    py_modules: list[str] | None = None
 
     def snapshot(self) -> ClusterSnapshot:
         if not self.available:
@@ -27,8 +30,16 @@ class FakeBackend:
             nodes=tuple(NodeCapacity(node_id=f"node-{i}", resources=r) for i, r in enumerate(self.nodes))
         )
 
-    def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
+    def submit(
+        self,
+        *,
+        submission_id: str,
+        entrypoint: str,
+        env_vars: dict[str, str],
+        py_modules: list[str] | None = None,
+    ) -> None:
         assert entrypoint.endswith(f"-m {LAUNCH_MODULE}")
+        self.env_vars, self.py_modules = dict(env_vars), py_modules
         self.submitted.append(
             (submission_id, LaunchRequest.model_validate(json.loads(env_vars[LAUNCH_ENV_VAR])))
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from service.protocol import (
     ERROR_PREFIX,
@@ -11,6 +12,7 @@ from service.protocol import (
     MAX_REASON_CHARS,
     JobFailure,
     LaunchRequest,
+    code_modules,
     entrypoint,
     error_line,
     failure_from_logs,
@@ -64,4 +66,14 @@ def test_launch_request_round_trips_through_the_job_environment() -> None:
     assert LaunchRequest.from_env(env[LAUNCH_ENV_VAR]) == request
     assert json.loads(env[LAUNCH_ENV_VAR])["spec"] == spec.model_dump(mode="json")
     assert env["RAY_CHDIR_TO_TRIAL_DIR"] == "0"
-    assert entrypoint() == f"{sys.executable} -m trainers.launch"
+    assert entrypoint() == f"{sys.executable} -P -m trainers.launch"
+
+
+def test_code_modules_are_the_service_and_trainers_packages_of_this_checkout() -> None:
+    import service
+    import trainers
+
+    folders = [Path(folder) for folder in code_modules()]
+    assert folders == [Path(service.__file__).parent, Path(trainers.__file__).parent]
+    assert all((folder / "__init__.py").is_file() for folder in folders)
+    assert entrypoint("/opt/nodes/python") == "/opt/nodes/python -P -m trainers.launch"

@@ -1,0 +1,196 @@
+"""A Ray cluster of several nodes on this machine, as processes: `ray start --head` and `ray start
+--address` (each node with its own ports, CPUs and a custom resource named after it), for tests of
+what happens across nodes and when one dies.
+
+Every node is one `ray start --block` in its own session, so `RayNode.kill()` takes all of it at once
+(raylet, agents, workers), as a lost machine does. The head's GCS notices a dead raylet within a few
+seconds (fast health checks). Token auth is on, with a token of the cluster's own. The nodes get no
+PYTHONPATH and run in a folder outside the repository: a job's code comes with its runtime_env.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from service.cluster import _PORT_FLAGS, free_port, local_ray_env, pid_running
+from tests.support.wait import wait_until
+
+# Ports only a head has.
+_HEAD_ONLY = ("port", "dashboard-port", "ray-client-server-port")
+# How fast the GCS declares a silent raylet dead (Ray's defaults take about 30 s).
+FAST_HEALTH_CHECKS = {
+    "RAY_health_check_initial_delay_ms": "1000",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+}
+
+
+@dataclass
+class RayNode:
+    name: str  # its custom resource
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def session_pids(self) -> list[int]:
+        """Every process of this node (its session: `ray start` leads one)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = (entry / "stat").read_text()
+                # pid (comm) state ppid pgrp session ...: comm may hold spaces, so split after it.
+                if int(stat.rsplit(")", 1)[1].split()[3]) == self.process.pid:
+                    pids.append(int(entry.name))
+        return pids
+
+    def kill(self) -> None:
+        """SIGKILL the whole node at once, as a lost machine."""
+        for pid in self.session_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(20)
+        self.kill()
+
+
+@dataclass
+class RayCluster:
+    root: Path
+    gcs_address: str
+    dashboard_url: str
+    token_path: Path
+    temp_dir: Path
+    nodes: list[RayNode] = field(default_factory=list)
+
+    @property
+    def token(self) -> str:
+        return self.token_path.read_text().strip()
+
+    def add_node(self, name: str, *, num_cpus: int, resources: dict[str, float] | None = None) -> RayNode:
+        """A worker node with resource `name` (1) and `resources`, joined to the head."""
+        ports = {flag: free_port() for flag in _PORT_FLAGS if flag not in _HEAD_ONLY}
+        node = self._start(
+            name,
+            [f"--address={self.gcs_address}", *[f"--{flag}={port}" for flag, port in ports.items()]],
+            num_cpus=num_cpus,
+            resources=resources,
+        )
+        wait_until(lambda: name in self.alive_nodes(), timeout_s=90, what=f"Ray node {name} joining")
+        return node
+
+    def _start(
+        self, name: str, flags: list[str], *, num_cpus: int, resources: dict[str, float] | None
+    ) -> RayNode:
+        ray_bin = str(Path(sys.executable).parent / "ray")
+        log = self.root / f"{name}.log"
+        # No PYTHONPATH: the jobs' code must come through their runtime_env.
+        environ = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+        env = {**local_ray_env(environ, auth_token_path=self.token_path), **FAST_HEALTH_CHECKS}
+        command = [
+            ray_bin,
+            "start",
+            "--block",
+            f"--num-cpus={num_cpus}",
+            f"--resources={json.dumps({name: 1, **(resources or {})})}",
+            "--disable-usage-stats",
+            f"--temp-dir={self.temp_dir}",
+            *flags,
+        ]
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=self.root,
+                start_new_session=True,
+            )
+        node = RayNode(name=name, process=process, log=log)
+        self.nodes.append(node)
+        return node
+
+    def alive_nodes(self) -> dict[str, str]:
+        """custom resource name -> Ray node id, of the alive nodes (the State API, as Apiary reads it)."""
+        try:
+            response = httpx.get(
+                f"{self.dashboard_url}/api/v0/nodes",
+                params={"detail": "1", "limit": "100"},
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=10,
+            )
+        except httpx.HTTPError:
+            return {}  # the dashboard is not up yet
+        if response.status_code != 200:
+            return {}
+        names = {node.name for node in self.nodes}
+        alive = {}
+        for node in response.json()["data"]["result"]["result"]:
+            if node["state"] == "ALIVE":
+                for name in names & set(node.get("resources_total") or {}):
+                    alive[name] = node["node_id"]
+        return alive
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):  # the head last
+            node.stop()
+
+
+@contextlib.contextmanager
+def ray_cluster(
+    root: Path, *, head_cpus: int, head_resources: dict[str, float] | None = None
+) -> Iterator[RayCluster]:
+    """A head node named `head` (explicit free ports, never 6379); add nodes with `add_node`."""
+    root.mkdir(parents=True, exist_ok=True)
+    token_path = root / "ray_auth_token"
+    token_path.write_text(secrets.token_hex(32))
+    token_path.chmod(0o600)
+    ports = {flag: free_port() for flag in _PORT_FLAGS}
+    # Ray's unix sockets live under the temp dir, whose path must stay short.
+    cluster = RayCluster(
+        root=root,
+        gcs_address=f"127.0.0.1:{ports['port']}",
+        dashboard_url=f"http://127.0.0.1:{ports['dashboard-port']}",
+        token_path=token_path,
+        temp_dir=Path("/tmp") / f"apiary-mn-{secrets.token_hex(4)}",
+    )
+    try:
+        head = cluster._start(
+            "head",
+            [
+                "--head",
+                "--dashboard-host=127.0.0.1",
+                "--include-dashboard=true",
+                *[f"--{flag}={port}" for flag, port in ports.items()],
+            ],
+            num_cpus=head_cpus,
+            resources=head_resources,
+        )
+
+        def head_up() -> bool:
+            if not pid_running(head.process.pid):
+                raise RuntimeError(f"the Ray head exited:\n{head.log.read_text()[-3000:]}")
+            return "head" in cluster.alive_nodes()
+
+        wait_until(head_up, timeout_s=120, interval_s=0.5, what="the Ray head starting")
+        yield cluster
+    finally:
+        cluster.stop()
