@@ -118,6 +118,7 @@ def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undis
             return current if current.state == "queued" else None
 
         waiting = wait_until(requeued, timeout_s=120, interval_s=0.5, what="the job requeued")
+        requeued_s = time.time() - killed_at
         said = [event.reason for event in client.events(job.id)]
         assert any(reason.startswith("capacity lost; requeued") for reason in said), said
         # Capacity follows the nodes: with one slot left, the gang waits, and says why.
@@ -125,6 +126,7 @@ def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undis
         assert client.get(job.id).state == "queued", waiting
 
         cluster.add_node("node3", num_cpus=2, resources=SLOT)  # a node joins: the job resumes
+        joined_at = time.time()
         job = client.wait(job.id, timeout_s=400)
         assert job.state == "succeeded", job
         assert job.latest_checkpoint_step == STEPS
@@ -136,9 +138,10 @@ def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undis
         after = sorted((p for p in points if (p.attempt, p.segment) > broken), key=lambda p: p.time)
         resumed_at, first_step = after[0].time, after[0].step
         print(
-            f"\nmultinode recovery: node death to first step after resume {resumed_at - killed_at:.1f} s, "
-            f"steps lost {max(before) - (first_step - 1)} (last step before the kill {max(before)}, "
-            f"resumed at step {first_step})"
+            f"\nmultinode recovery: node death to first step after resume {resumed_at - killed_at:.1f} s "
+            f"(requeued {requeued_s:.1f} s after the death; first step {resumed_at - joined_at:.1f} s after "
+            f"a new node joined), steps lost {max(before) - (first_step - 1)} (last step before the kill "
+            f"{max(before)}, resumed at step {first_step})"
         )
 
         reference = client.wait(client.submit(spec(dataset, "undisturbed")).id, timeout_s=400)
