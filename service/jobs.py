@@ -36,11 +36,11 @@ from service.errors import (
 )
 from service.models import Checkpoint, IdempotencyKey, Job, JobEvent, Metric, utcnow
 from service.observability import Gauges, Metrics, RunningJob
-from service.policy import ClusterSnapshot, Gang, capacity_text, fits_empty_cluster
+from service.policy import ClusterSnapshot, Gang, SpreadBundle, capacity_text, fits_empty_cluster
 from service.protocol import GROUP_STARTED, TelemetryBatch, TelemetryReply
 from service.queues import QueueConfig
 from service.settings import Settings
-from service.spec import BUILTIN_TRAINERS, JobSpec, Queue
+from service.spec import BUILTIN_TRAINERS, JobSpec, Placement, Queue
 from service.states import JobState, StopReason
 from service.storage import list_shards, node_local
 
@@ -87,7 +87,9 @@ def gang_for(
         # Admission needs the min gang of an elastic job (service.policy glossary: elastic gang).
         num_workers=spec.min_workers,
         max_workers=spec.max_workers if spec.is_elastic else None,
-        per_worker=dict(spec.resources_per_worker),
+        per_worker=(SpreadBundle if spec.placement is Placement.STRICT_SPREAD else dict)(
+            spec.resources_per_worker
+        ),
         extra={"CPU": data_cpus},
         owner=owner,
         submitted_at=submitted_at,

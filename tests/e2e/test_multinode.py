@@ -1,8 +1,10 @@
-"""Apiary on a Ray cluster of two nodes, as processes on this machine: PostgreSQL (a fresh database), S3
-(moto on loopback), a Ray head and a second Ray node (`ray start`, each with one `slot`), and `apiary
-serve` pointed at them (APIARY_RAY_ADDRESS, APIARY_STORAGE_URI=s3://..., APIARY_DATABASE_URL).
+"""Apiary on a Ray cluster of two nodes, as processes on this machine: PostgreSQL (a fresh database),
+S3 (moto on loopback), a Ray head and a second Ray node (`ray start`, each with a custom resource
+named after it), and `apiary serve` pointed at them (APIARY_RAY_ADDRESS, APIARY_STORAGE_URI=s3://...,
+APIARY_DATABASE_URL).
 
-One job of two workers, one `slot` each, so its gang spans both nodes. It reads its shards from S3 and
+One job of two workers placed `strict_spread` (Ray Train's placement group strategy, which the
+scheduler's admission follows), so its gang spans both nodes. It reads its shards from S3 and
 checkpoints to S3; its code reaches the nodes through its runtime_env. The second node is killed (its
 raylet, agents and workers at once) while the job runs: the gang no longer fits the head alone, so
 the job is stopped and requeued ("capacity lost"), waits while capacity says it cannot fit, and
@@ -34,14 +36,13 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.ray]
 STEPS = 400
 EVERY = 100
 KILL_AFTER = 150  # past the first checkpoint, well before the end
-SLOT = {"slot": 1.0}
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[RayCluster]:
-    # The head: one worker's slot, its CPU and the job's data CPU (the driver takes none).
-    with ray_cluster(tmp_path / "ray", head_cpus=3, head_resources=SLOT) as cluster:
-        cluster.add_node("node2", num_cpus=2, resources=SLOT)
+    # The head: one worker's CPU and the job's data CPU, and one to spare (the driver takes none).
+    with ray_cluster(tmp_path / "ray", head_cpus=3) as cluster:
+        cluster.add_node("node2", num_cpus=2)
         yield cluster
 
 
@@ -69,7 +70,8 @@ def spec(dataset: str, name: str) -> dict[str, Any]:
         "name": name,
         "trainer": "mlp",
         "num_workers": 2,
-        "resources_per_worker": {"CPU": 1, **SLOT},
+        "resources_per_worker": {"CPU": 1},
+        "placement": "strict_spread",
         "dataset": {"uri": dataset},
         "max_steps": STEPS,
         "batch_size": 16,
@@ -120,12 +122,14 @@ def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undis
         waiting = wait_until(requeued, timeout_s=120, interval_s=0.5, what="the job requeued")
         requeued_s = time.time() - killed_at
         said = [event.reason for event in client.events(job.id)]
-        assert any(reason.startswith("capacity lost; requeued") for reason in said), said
-        # Capacity follows the nodes: with one slot left, the gang waits, and says why.
+        # Running: stopped, then requeued ("capacity lost; requeued ..."); or, when the driver died
+        # with the node and its recovery could not start: "capacity lost: ...; requeued ...".
+        assert any(r.startswith("capacity lost") and "requeued in its place" in r for r in said), said
+        # Capacity follows the nodes: with one node left, the gang waits, and says why.
         wait_until(lambda: client.get(job.id).waiting_reason, timeout_s=30, what="a waiting reason")
         assert client.get(job.id).state == "queued", waiting
 
-        cluster.add_node("node3", num_cpus=2, resources=SLOT)  # a node joins: the job resumes
+        cluster.add_node("node3", num_cpus=2)  # a node joins: the job resumes
         joined_at = time.time()
         job = client.wait(job.id, timeout_s=400)
         assert job.state == "succeeded", job
