@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,8 @@ from tests.support.wait import wait_until
 
 # Ports only a head has.
 _HEAD_ONLY = ("port", "dashboard-port", "ray-client-server-port")
+# Starts of a node before giving up (see RayCluster._launch).
+START_TRIES = 3
 # How fast the GCS declares a silent raylet dead (Ray's defaults take about 30 s).
 FAST_HEALTH_CHECKS = {
     "RAY_health_check_initial_delay_ms": "1000",
@@ -86,15 +89,38 @@ class RayCluster:
 
     def add_node(self, name: str, *, num_cpus: int, resources: dict[str, float] | None = None) -> RayNode:
         """A worker node with resource `name` (1) and `resources`, joined to the head."""
-        ports = {flag: free_port() for flag in _PORT_FLAGS if flag not in _HEAD_ONLY}
-        node = self._start(
-            name,
-            [f"--address={self.gcs_address}", *[f"--{flag}={port}" for flag, port in ports.items()]],
-            num_cpus=num_cpus,
-            resources=resources,
+        return self._launch(name, head=False, num_cpus=num_cpus, resources=resources)
+
+    def _launch(self, name: str, *, head: bool, num_cpus: int, resources: dict[str, float] | None) -> RayNode:
+        """Start a node and wait until the GCS lists it alive. `ray start` gives a raylet 30 s to
+        register, which a loaded machine can miss: a node that gave up is started again, on new ports."""
+        for _ in range(START_TRIES):
+            ports = {flag: free_port() for flag in _PORT_FLAGS if head or flag not in _HEAD_ONLY}
+            if head:
+                self.gcs_address = f"127.0.0.1:{ports['port']}"
+                self.dashboard_url = f"http://127.0.0.1:{ports['dashboard-port']}"
+                flags = ["--head", "--dashboard-host=127.0.0.1", "--include-dashboard=true"]
+            else:
+                flags = [f"--address={self.gcs_address}"]
+            node = self._start(
+                name,
+                [*flags, *[f"--{flag}={port}" for flag, port in ports.items()]],
+                num_cpus=num_cpus,
+                resources=resources,
+            )
+
+            def joined(node: RayNode = node) -> str | None:
+                if not pid_running(node.process.pid):
+                    return "exited"
+                return "alive" if name in self.alive_nodes() else None
+
+            if wait_until(joined, timeout_s=150, interval_s=0.5, what=f"Ray node {name} starting") == "alive":
+                return node
+            node.kill()
+            self.nodes.remove(node)
+        raise RuntimeError(
+            f"Ray node {name} did not start in {START_TRIES} tries:\n{node.log.read_text()[-3000:]}"
         )
-        wait_until(lambda: name in self.alive_nodes(), timeout_s=90, what=f"Ray node {name} joining")
-        return node
 
     def _start(
         self, name: str, flags: list[str], *, num_cpus: int, resources: dict[str, float] | None
@@ -114,7 +140,7 @@ class RayCluster:
             f"--temp-dir={self.temp_dir}",
             *flags,
         ]
-        with log.open("wb") as out:
+        with log.open("ab") as out:
             process = subprocess.Popen(
                 command,
                 stdout=out,
@@ -163,34 +189,17 @@ def ray_cluster(
     token_path = root / "ray_auth_token"
     token_path.write_text(secrets.token_hex(32))
     token_path.chmod(0o600)
-    ports = {flag: free_port() for flag in _PORT_FLAGS}
     # Ray's unix sockets live under the temp dir, whose path must stay short.
     cluster = RayCluster(
         root=root,
-        gcs_address=f"127.0.0.1:{ports['port']}",
-        dashboard_url=f"http://127.0.0.1:{ports['dashboard-port']}",
+        gcs_address="",  # set by the head's start
+        dashboard_url="",
         token_path=token_path,
         temp_dir=Path("/tmp") / f"apiary-mn-{secrets.token_hex(4)}",
     )
     try:
-        head = cluster._start(
-            "head",
-            [
-                "--head",
-                "--dashboard-host=127.0.0.1",
-                "--include-dashboard=true",
-                *[f"--{flag}={port}" for flag, port in ports.items()],
-            ],
-            num_cpus=head_cpus,
-            resources=head_resources,
-        )
-
-        def head_up() -> bool:
-            if not pid_running(head.process.pid):
-                raise RuntimeError(f"the Ray head exited:\n{head.log.read_text()[-3000:]}")
-            return "head" in cluster.alive_nodes()
-
-        wait_until(head_up, timeout_s=120, interval_s=0.5, what="the Ray head starting")
+        cluster._launch("head", head=True, num_cpus=head_cpus, resources=head_resources)
         yield cluster
     finally:
         cluster.stop()
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)  # Ray's session folders and logs
