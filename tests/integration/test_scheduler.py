@@ -287,3 +287,21 @@ def test_local_checkpoint_storage_holds_every_job_once_a_second_node_joins(
     service.backend.nodes.pop()
     service.tick()
     assert service.job(job["id"])["state"] == "admitted"
+
+
+def test_an_admitted_gang_that_lost_a_node_before_it_ran_goes_back_to_the_queue(
+    start_service: Callable[..., Service], spec: dict[str, Any]
+) -> None:
+    service = start_service(nodes=[dict(node) for node in TWO_NODES], shared_filesystem=True)
+    job = service.submit({**spec, "num_workers": 2, "placement": "strict_spread"})
+    service.tick()
+    submission = service.job(job["id"])["ray_submission_id"]
+    assert service.job(job["id"])["state"] == "admitted"  # Ray has not started it yet
+    service.backend.nodes.pop()
+    service.tick()
+    service.tick(time.time() + 31)  # past the default capacity_loss_grace_s
+    job = service.job(job["id"])
+    assert (job["state"], job["ray_submission_id"]) == ("queued", None)
+    assert service.backend.stopped == [submission]
+    reason = service.http.get(f"/jobs/{job['id']}/events").json()["data"][-1]["reason"]
+    assert reason.startswith("capacity lost: its gang no longer fits") and "requeued in its place" in reason
