@@ -51,7 +51,7 @@ class JobPublic(BaseModel):
     eta_at: datetime | None = Field(description="When it is expected to start (an estimate), while queued.")
     latest_step: int | None
     stop_requested: str | None = Field(
-        description="preempted | user | max_runtime | shutdown, while preempting."
+        description="preempted | user | max_runtime | shutdown | lost_capacity, while preempting."
     )
     preemptions: int
     ranks: dict[str, dict[str, Any]] | None = Field(

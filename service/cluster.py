@@ -57,7 +57,14 @@ class ClusterBackend(Protocol):
 
     def snapshot(self) -> ClusterSnapshot: ...
 
-    def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None: ...
+    def submit(
+        self,
+        *,
+        submission_id: str,
+        entrypoint: str,
+        env_vars: dict[str, str],
+        py_modules: list[str] | None = None,
+    ) -> None: ...
 
     def job_info(self, submission_id: str) -> RayJobInfo: ...
 
@@ -115,12 +122,24 @@ class RayBackend:
             time.sleep(0.3)
         return snapshot
 
-    def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
+    def submit(
+        self,
+        *,
+        submission_id: str,
+        entrypoint: str,
+        env_vars: dict[str, str],
+        py_modules: list[str] | None = None,
+    ) -> None:
+        """`py_modules`: local package folders that Ray uploads (once per content) and puts on the
+        path of the job's driver, workers and tasks, on every node."""
+        runtime_env: dict[str, object] = {"env_vars": env_vars}
+        if py_modules:
+            runtime_env |= {"py_modules": py_modules, "excludes": ["__pycache__"]}
         # The driver takes no CPU: the gang's resources are the workers' and Ray Data's.
         self._jobs.submit_job(
             entrypoint=entrypoint,
             submission_id=submission_id,
-            runtime_env={"env_vars": env_vars},
+            runtime_env=runtime_env,
             entrypoint_num_cpus=0,
         )
 

@@ -41,12 +41,13 @@ from service.errors import (
 from service.handoff import is_own_checkpoint, job_prefix, token_matches
 from service.models import Checkpoint, IdempotencyKey, Job, JobEvent, Metric, utcnow
 from service.observability import Gauges, Metrics, RunningJob
-from service.policy import ClusterSnapshot, Gang, capacity_text, fits_empty_cluster
+from service.policy import ClusterSnapshot, Gang, SpreadBundle, capacity_text, fits_empty_cluster
 from service.protocol import GROUP_STARTED, TelemetryBatch, TelemetryReply
 from service.queues import QueueConfig
 from service.settings import Settings
-from service.spec import JobSpec, Queue
+from service.spec import JobSpec, Placement, Queue
 from service.states import JobState, StopReason
+from service.storage import node_local
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,9 @@ def gang_for(
         # Admission needs the min gang of an elastic job (service.policy glossary: elastic gang).
         num_workers=spec.min_workers,
         max_workers=spec.max_workers if spec.is_elastic else None,
-        per_worker=dict(spec.resources_per_worker),
+        per_worker=(SpreadBundle if spec.placement is Placement.STRICT_SPREAD else dict)(
+            spec.resources_per_worker
+        ),
         extra={"CPU": data_cpus},
         owner=owner,
         submitted_at=submitted_at,
@@ -480,6 +483,13 @@ class JobService:
             # Queue anyway: the scheduler admits it once the cluster is back.
             logger.warning("cannot check capacity at submission: %s", err)
             return
+        if len(cluster.nodes) > 1 and not self.settings.shared_filesystem and node_local(spec.dataset.uri):
+            raise InvalidSpec(
+                f"dataset {spec.dataset.uri} is a local path and the cluster has {len(cluster.nodes)} "
+                "nodes, which cannot all read it: put it in object storage (s3://...), or set "
+                "APIARY_SHARED_FILESYSTEM=true on the service if it is a mount every node shares",
+                field="dataset.uri",
+            )
         gang = gang_for(0, spec, data_cpus=self.settings.data_cpus_per_job)
         if not fits_empty_cluster(cluster, gang):
             raise Unschedulable(

@@ -83,6 +83,13 @@ QUEUE_ORDER = ("full-scale", "research")
 ETA_HORIZON = 200
 
 Resources = Mapping[str, float]
+
+
+class SpreadBundle(dict[str, float]):
+    """A worker of a gang whose workers each need a node of their own (spec placement strict_spread):
+    the copies of one such bundle in a gang are placed on distinct nodes."""
+
+
 # Every gang shape seen by this process, numbered (Gang.shape): cheap keys for the policy's memos.
 _SHAPES: dict[tuple[object, ...], int] = {}
 
@@ -137,7 +144,12 @@ class Gang:
     @cached_property
     def shape(self) -> int:
         """Gangs of one shape fit or not alike: a small number per distinct (workers, sizes)."""
-        key = (tuple(sorted(self.per_worker.items())), self.num_workers, tuple(sorted(self.extra.items())))
+        key = (
+            tuple(sorted(self.per_worker.items())),
+            self.num_workers,
+            tuple(sorted(self.extra.items())),
+            isinstance(self.per_worker, SpreadBundle),
+        )
         return _SHAPES.setdefault(key, len(_SHAPES))
 
     def lost_work_s(self, now: float) -> float:
@@ -746,7 +758,10 @@ def _place(
     first: dict[int, int] = {}  # id of a bundle object -> where the last of its copies went
     for bundle in bundles:
         shape = tuple(bundle.items()) if hints is not None else ()
-        start = max(first.get(id(bundle), 0), hints.get(shape, 0) if hints is not None else 0)
+        after = first.get(id(bundle))
+        # The next copy of a bundle goes on the node of the last one or later; a spread one, later.
+        start = 0 if after is None else after + isinstance(bundle, SpreadBundle)
+        start = max(start, hints.get(shape, 0) if hints is not None else 0)
         node_index = next((i for i in range(start, len(free)) if _fits(free[i], bundle)), None)
         if node_index is None:
             if allow_partial:

@@ -1,11 +1,13 @@
 """The protocol between the control plane and a job on the cluster: everything that crosses it.
 
 Service → job. The scheduler submits each attempt of a job as a Ray job whose entrypoint is
-`entrypoint()` (`python -m trainers.launch`, with the interpreter of Apiary's environment) and whose
-environment is `launch_env(pointer)`: a small `LaunchPointer` as JSON in `APIARY_LAUNCH`, plus the
-settings every process of the job needs. The pointer names the attempt's handoff folder in storage,
-which holds the `LaunchRequest` and the attempt's report token (`service.handoff`): neither the spec
-(exec caps one variable at 128 KiB) nor the token is in what Ray stores of the job.
+`entrypoint()` (`python -P -m trainers.launch`, with the interpreter of Apiary's environment or
+`APIARY_JOB_PYTHON`) and whose environment is `launch_env(pointer)`: a small `LaunchPointer` as JSON
+in `APIARY_LAUNCH`, plus the settings every process of the job needs. The pointer names the
+attempt's handoff folder in storage, which holds the `LaunchRequest` and the attempt's report token
+(`service.handoff`): neither the spec (exec caps one variable at 128 KiB) nor the token is in what
+Ray stores of the job. Apiary's own code travels with the job (`code_modules()`, Ray's runtime_env
+`py_modules`), so a node needs only the same torch and ray.
 
 Job → service, two channels:
 - telemetry: every rank posts `TelemetryBatch`es (its per-step metric points, and rank 0 the
@@ -26,9 +28,11 @@ Like `service.spec`, this module needs no SQLAlchemy, FastAPI or Ray: both sides
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import Field
 
@@ -84,9 +88,21 @@ class LaunchPointer(Strict):
     s3_endpoint_url: str | None = None
 
 
-def entrypoint() -> str:
-    """The launch command, with the interpreter of Apiary's own environment (not the raylet's PATH)."""
-    return f"{sys.executable} -m {LAUNCH_MODULE}"
+def entrypoint(python: str | None = None) -> str:
+    """The launch command, with `python` (Settings.job_python; default: the interpreter of Apiary's
+    own environment, not the raylet's PATH). `-P`: the driver's working folder (a Ray job's is its
+    working_dir) goes not first on sys.path, so it cannot shadow the packages `code_modules` ships."""
+    return f"{python or sys.executable} -P -m {LAUNCH_MODULE}"
+
+
+def code_modules() -> list[str]:
+    """The folders of the packages a job runs (`service`, for its spec and protocol, and `trainers`),
+    for Ray's runtime_env `py_modules`: shipped with the job, a node needs no copy of Apiary."""
+    # Found, not imported: the service never imports the trainers (and they import torch).
+    found = importlib.util.find_spec(LAUNCH_MODULE.split(".", 1)[0])
+    if found is None or not found.submodule_search_locations:
+        raise RuntimeError("the trainers package is not installed beside the service")
+    return [str(Path(__file__).parent), str(next(iter(found.submodule_search_locations)))]
 
 
 def launch_env(pointer: LaunchPointer) -> dict[str, str]:

@@ -9,7 +9,9 @@ expiry, renewed every tick; another replica takes over once it expires):
    queue (or fails, when it ran out of `max_runtime_s`);
 2. enforce: a running job past its `max_runtime_s` is told to checkpoint and stop; a job told so
    `preempt_grace_s` ago that has not stopped is stopped (its event says how much work that lost);
-3. schedule: read every unfinished job in one query and the cluster, call the pure
+3. schedule: read every unfinished job in one query and the cluster (its alive nodes); requeue a
+   started job whose gang no longer fits them (a node left: `requeue_unplaceable`); hold every
+   queued job while checkpoint storage is a local path on more than one node; call the pure
    `policy.decide`, then preempt (running -> preempting: the trainers hear it in the reply to their
    next telemetry post, checkpoint at the next step boundary and exit), admit (commit
    `queued -> admitted` with a new attempt and Ray submission id BEFORE submitting, so a crash in
@@ -55,13 +57,32 @@ from service.models import Job
 from service.observability import Metrics
 from service.planner import time_to_finish_s
 from service.planning import observed_mtbf
-from service.policy import ClusterSnapshot, Decisions, Gang, Preemption, decayed_usage, decide, dominant_share
-from service.protocol import HEARTBEAT_S, JobFailure, LaunchRequest, entrypoint, failure_from_logs, launch_env
+from service.policy import (
+    ClusterSnapshot,
+    Decisions,
+    Gang,
+    Preemption,
+    Wait,
+    capacity_text,
+    decayed_usage,
+    decide,
+    dominant_share,
+    fits_empty_cluster,
+)
+from service.protocol import (
+    HEARTBEAT_S,
+    JobFailure,
+    LaunchRequest,
+    code_modules,
+    entrypoint,
+    failure_from_logs,
+    launch_env,
+)
 from service.retention import Retention
 from service.settings import Settings
 from service.spec import JobSpec
 from service.states import ACTIVE_STATES, JobState, StopReason
-from service.storage import checkpoint_uri
+from service.storage import checkpoint_uri, node_local
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +116,7 @@ class Scheduler:
         self.is_leader = False
         self._templates: dict[int, Gang] = {}  # what a job's (immutable) spec says of its gang
         self._max_steps: dict[int, int] = {}
+        self._unplaceable_since: dict[int, float] = {}  # started jobs whose gang fits no more, since
         self._stop = threading.Event()
         self._draining = threading.Event()  # a clean stop is under way: admit nothing
         self._wake = threading.Event()
@@ -275,7 +297,9 @@ class Scheduler:
             grace_s = self.queues.preempt_grace_s
             lost = {
                 RayJobStatus.SUCCEEDED: None,  # it checkpointed and stopped by itself
-                RayJobStatus.STOPPED: f"stopped after {grace_s:g} s without checkpointing",
+                RayJobStatus.STOPPED: "stopped: its gang lost a node"
+                if job.stop_requested == StopReason.LOST_CAPACITY
+                else f"stopped after {grace_s:g} s without checkpointing",
                 RayJobStatus.FAILED: "its Ray job failed while stopping",
                 RayJobStatus.MISSING: "Ray lost its Ray job while stopping",
             }[status]
@@ -372,18 +396,21 @@ class Scheduler:
                 reason=f"ran out of max_runtime_s ({spec.max_runtime_s:g} s); {where}",
             )
         else:
-            shutdown = job.stop_requested == StopReason.SHUTDOWN
+            # Neither a clean stop of the service nor a lost node is a preemption by the policy.
+            why, counted = {
+                StopReason.SHUTDOWN: ("the service stopped", False),
+                StopReason.LOST_CAPACITY: ("capacity lost", False),
+            }.get(StopReason(job.stop_requested or StopReason.PREEMPTED), ("preempted", True))
             repository.transition(
                 session,
                 job,
                 JobState.QUEUED,
                 actor="reconciler",
-                reason=f"{'the service stopped' if shutdown else 'preempted'}; requeued in its place, "
-                f"resumes from its {where}",
+                reason=f"{why}; requeued in its place, resumes from its {where}",
                 ray_submission_id=None,
                 stop_requested=None,
                 stop_requested_at=None,
-                preemptions=job.preemptions + (0 if shutdown else 1),
+                preemptions=job.preemptions + counted,
             )
 
     # -- 2. enforce -----------------------------------------------------------------------------
@@ -510,12 +537,20 @@ class Scheduler:
         queued = [self._templates[row.id] for row in rows if row.state is JobState.QUEUED]
         active = [self._gang(row, now=now) for row in rows if row.state in ACTIVE_STATES]
         cluster = self.backend.snapshot()
+        self.requeue_unplaceable(rows, cluster, now=now)
         usage = self._update_usage(stored_usage, active, cluster=cluster, now=now)
         if self._draining.is_set():
             queued = []  # a clean stop is under way: nothing starts
+        unreachable = self._unreachable_storage(cluster)
+        held, queued = (queued, []) if unreachable else ([], queued)
         decisions = decide(
             cluster=cluster, queued=queued, active=active, now=now, queues=self.queues, usage=usage
         )
+        if held:
+            waiting = {
+                gang.job_id: Wait(position, unreachable, None) for position, gang in enumerate(held, 1)
+            }
+            decisions = replace(decisions, waiting={**decisions.waiting, **waiting})
         for victim in decisions.preempt:
             self._preempt(victim)
         for job_id in decisions.admit:
@@ -529,6 +564,74 @@ class Scheduler:
             template = self._templates.get(row.id)
             if template is not None and (template.queue, template.priority) != (row.queue, row.priority):
                 del self._templates[row.id], self._max_steps[row.id]
+
+    def _unreachable_storage(self, cluster: ClusterSnapshot) -> str:
+        """Why no job can start: checkpoint storage that the cluster's other nodes cannot reach (a local
+        path on more than one node), or '' when there is no such reason."""
+        storage = self.settings.resolved_storage_uri
+        if len(cluster.nodes) <= 1 or self.settings.shared_filesystem or not node_local(storage):
+            return ""
+        return (
+            f"checkpoint storage {storage} is a local path and the cluster has {len(cluster.nodes)} "
+            "nodes, which cannot all reach it: set APIARY_STORAGE_URI to s3://... (or "
+            "APIARY_SHARED_FILESYSTEM=true if it is a mount every node shares)"
+        )
+
+    def requeue_unplaceable(self, rows: Sequence[Any], cluster: ClusterSnapshot, *, now: float) -> None:
+        """Stop and requeue the started jobs whose gang no longer fits the alive nodes (a node left and
+        took part of the gang): Ray Train would wait for the lost workers' resources for ever. After
+        `capacity_loss_grace_s` (a node that comes back at once costs nothing): a running job goes
+        `preempting` (StopReason.LOST_CAPACITY) and its Ray job is stopped at once, then the reconciler
+        requeues it; a starting one goes back to `queued`. It resumes from its checkpoint once the
+        policy finds room again."""
+        grace_s = self.settings.capacity_loss_grace_s
+        unplaceable = {
+            row.id: row
+            for row in rows
+            if row.state in (JobState.RUNNING, *STARTING_STATES)
+            and not fits_empty_cluster(cluster, self._templates[row.id])
+        }
+        for job_id in self._unplaceable_since.keys() - unplaceable.keys():
+            del self._unplaceable_since[job_id]
+        for job_id, row in unplaceable.items():
+            since = self._unplaceable_since.setdefault(job_id, now)
+            if now - since >= grace_s and row.ray_submission_id is not None:
+                self._requeue_lost(
+                    job_id,
+                    row.ray_submission_id,
+                    why=f"capacity lost: its gang no longer fits the cluster's {capacity_text(cluster)} "
+                    f"(for {now - since:.0f} s)",
+                )
+
+    def _requeue_lost(self, job_id: int, submission_id: str, *, why: str) -> None:
+        with self.db.session() as session:
+            if not self._fenced(session):
+                return
+            job = repository.get_job(session, job_id, for_update=True)
+            if job.ray_submission_id != submission_id:
+                return
+            if job.state is JobState.RUNNING:
+                repository.request_stop(
+                    session,
+                    job,
+                    why=StopReason.LOST_CAPACITY,
+                    actor="scheduler",
+                    reason=f"{why}; stopping it",
+                )
+            elif job.state in STARTING_STATES:
+                repository.transition(
+                    session,
+                    job,
+                    JobState.QUEUED,
+                    actor="scheduler",
+                    reason=f"{why}; requeued in its place, resumes from its newest checkpoint",
+                    ray_submission_id=None,
+                )
+            else:
+                return
+        self._unplaceable_since.pop(job_id, None)
+        logger.warning("job %s: %s", job_id, why, extra={"action": "capacity_lost", "job": {"id": job_id}})
+        stop_job(self.backend, submission_id)
 
     def _learn_specs(self, session: Session, job_ids: Sequence[int]) -> None:
         """Gang templates (and max_steps) of the jobs not seen before: a spec never changes, but for the
@@ -723,7 +826,12 @@ class Scheduler:
             **self.settings.job_aws_env(),
         }
         try:
-            self.backend.submit(submission_id=submission_id, entrypoint=entrypoint(), env_vars=env_vars)
+            self.backend.submit(
+                submission_id=submission_id,
+                entrypoint=entrypoint(self.settings.job_python),
+                env_vars=env_vars,
+                py_modules=code_modules() if self.settings.ship_code else None,
+            )
         except Exception as err:
             self._submission_failed(job_id, submission_id, err)
             return

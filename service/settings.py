@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import getpass
+import sys
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
@@ -46,6 +47,23 @@ class Settings(BaseSettings):
         default=None, description="Checkpoint root; default {data_dir}/checkpoints."
     )
     s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, moto).")
+    shared_filesystem: bool = Field(
+        default=False,
+        description="The local paths of storage_uri and of datasets are one shared mount (NFS, a "
+        "cluster filesystem) that every Ray node sees: a local path is then accepted on a cluster of "
+        "more than one node (service.storage.node_local).",
+    )
+    job_python: str = Field(
+        default=sys.executable,
+        description="The interpreter that runs a job's driver on the cluster's nodes (one with the "
+        "same torch and ray as Apiary's); default: the service's own.",
+    )
+    ship_code: bool = Field(
+        default=True,
+        description="Send Apiary's `service` and `trainers` packages with every job (Ray runtime_env "
+        "py_modules), so that the cluster's nodes need no copy of Apiary; off when the nodes run an "
+        "image with Apiary installed.",
+    )
     # The usual AWS variables (no APIARY_ prefix), read here so that the scheduler can hand them to
     # each job: a job's runtime_env reaches its driver, Train workers and Ray Data tasks on every node,
     # which the service's own environment does not on a cluster that Apiary did not start.
@@ -129,6 +147,12 @@ class Settings(BaseSettings):
         gt=0,
         description="A submitted attempt whose Ray job has not started running after this long is "
         "stopped and the job requeued (e.g. the cluster lost the resources it reported).",
+    )
+    capacity_loss_grace_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A started job whose gang no longer fits the cluster's alive nodes (a node left) for "
+        "this long is stopped and requeued; it resumes from its checkpoint once capacity is back.",
     )
     queues_file: Path | None = Field(
         default=None, description="YAML/JSON queue configuration over the built-in defaults (service.queues)."

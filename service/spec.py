@@ -42,6 +42,14 @@ class Strategy(StrEnum):
     FSDP = "fsdp"
 
 
+class Placement(StrEnum):
+    """Where Ray puts the workers of a group: its placement group's strategy (admission agrees)."""
+
+    PACK = "pack"  # as few nodes as possible (Ray's default)
+    SPREAD = "spread"  # over as many nodes as it can, best effort
+    STRICT_SPREAD = "strict_spread"  # every worker on a node of its own, or the job waits
+
+
 class DataFormat(StrEnum):
     PARQUET = "parquet"
     WEBDATASET = "webdataset"
@@ -263,6 +271,11 @@ class JobSpec(Strict):
         description="Workers of the group: a number, or {min, max} for elastic training (see ElasticWorkers)."
     )
     resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    placement: Placement = Field(
+        default=Placement.PACK,
+        description="pack | spread | strict_spread (each worker on its own node): Ray Train's "
+        "placement strategy for the worker group, which the scheduler's admission follows.",
+    )
     strategy: Strategy = Strategy.DDP
     fsdp: FsdpSpec = Field(default_factory=FsdpSpec, description="FSDP2 choices, for strategy fsdp.")
     precision: Literal["fp32", "bf16"] = Field(

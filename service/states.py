@@ -22,9 +22,9 @@ service died between admitting and submitting) goes `admitted → queued`.
 `preempting` means the job was told to checkpoint and stop (`jobs.stop_requested`
 says why: the policy or a user preempted it, or it ran out of `max_runtime_s`);
 it still holds its gang. Once its Ray job has ended it goes back to `queued`
-(preempted, or the service is stopping: it keeps its place and resumes from that
-checkpoint), to `failed` (out of runtime), or to `succeeded` (it reached
-`max_steps` first).
+(preempted, the service is stopping, or its gang lost a node and no longer fits:
+it keeps its place and resumes from that checkpoint), to `failed` (out of
+runtime), or to `succeeded` (it reached `max_steps` first).
 `recovering` means the job's Ray job was lost to something that is not the job's
 own fault (its driver died, the cluster was restarted and forgot it): the
 scheduler resubmitted it as a new attempt that resumes from the latest
@@ -72,6 +72,9 @@ class StopReason(StrEnum):
     USER = "user"  # POST /jobs/{id}/preempt: back to the queue like a preemption
     MAX_RUNTIME = "max_runtime"  # it ran out of max_runtime_s: failed once stopped
     SHUTDOWN = "shutdown"  # the service that owns the local Ray is stopping: requeued, not counted
+    # Its gang no longer fits the cluster's alive nodes (a node left): stopped at once (its group is
+    # broken, no checkpoint can be taken), requeued, not counted; it resumes when capacity is back.
+    LOST_CAPACITY = "lost_capacity"
 
 
 ALLOWED: dict[JobState, frozenset[JobState]] = {

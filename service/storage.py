@@ -78,6 +78,12 @@ def resolve_uri(uri: str, *, s3_endpoint_url: str | None = None) -> tuple[str, p
     return path.rstrip("/") or "/", pafs.LocalFileSystem()
 
 
+def node_local(uri: str) -> bool:
+    """Whether `uri` names a local path: one machine's disk, which the other nodes of a cluster do
+    not see unless it is a shared mount (Settings.shared_filesystem). Object storage (s3://) is not."""
+    return "://" not in uri or uri.startswith("file://")
+
+
 def checkpoint_uri(*, storage_uri: str, run_name: str, name: str) -> str:
     """Where Ray Train persists checkpoint folder `name` of a run, as a URI the control plane can store.
 

@@ -317,6 +317,7 @@ def build_scaling_config(spec: JobSpec) -> ray.train.ScalingConfig:
         num_workers=num_workers,  # type: ignore[arg-type]
         use_gpu=spec.uses_gpu,
         resources_per_worker=dict(spec.resources_per_worker),
+        placement_strategy=spec.placement.upper(),
     )
 
 

@@ -82,6 +82,7 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
         log_level: str = "warning",
         **settings: Any,
     ) -> Service:
+        """`fields`: more Settings (e.g. shared_filesystem)."""
         port = free_port()
         queues_file = None
         if queues is not None:

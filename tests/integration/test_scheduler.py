@@ -13,6 +13,7 @@ import pytest
 
 from service import repository
 from service.cluster import RayJobStatus
+from service.protocol import code_modules
 from service.scheduler import Scheduler
 from tests.integration.conftest import Service
 
@@ -204,3 +205,103 @@ def test_a_submission_that_lands_after_another_replica_requeued_the_job_is_stopp
     assert service.backend.stopped == [late]  # the leader stopped its own late submission
     job = service.job(job["id"])
     assert (job["state"], job["attempt"], job["ray_submission_id"]) == ("admitted", 2, readmitted)
+
+
+# Two nodes, each with one `slot`: a 2-worker gang that asks for a slot per worker spans both.
+TWO_NODES = [{"CPU": 4.0, "slot": 1.0}, {"CPU": 4.0, "slot": 1.0}]
+
+
+def test_a_running_gang_that_lost_a_node_is_requeued_and_resumes_when_a_node_joins(
+    start_service: Callable[..., Service], spec: dict[str, Any]
+) -> None:
+    service = start_service(
+        nodes=[dict(node) for node in TWO_NODES], shared_filesystem=True, capacity_loss_grace_s=20
+    )
+    job = service.submit({**spec, "num_workers": 2, "resources_per_worker": {"CPU": 1, "slot": 1}})
+    run_to_running(service, [job["id"]])
+    # The job ships Apiary's code with it: the nodes need no copy of the service.
+    assert service.backend.py_modules == code_modules()
+    first = service.job(job["id"])["ray_submission_id"]
+
+    service.backend.nodes.pop()  # the second node dies
+    service.tick()
+    assert service.job(job["id"])["state"] == "running"  # within capacity_loss_grace_s
+    assert service.backend.stopped == []
+    service.tick(time.time() + 21)
+    job = service.job(job["id"])
+    assert (job["state"], job["stop_requested"]) == ("preempting", "lost_capacity")
+    assert service.backend.stopped == [first]  # at once: its gang is broken, it cannot checkpoint
+    service.tick()  # Ray says STOPPED: back to the queue, not counted as a preemption
+    job = service.job(job["id"])
+    assert (job["state"], job["preemptions"], job["stop_requested"]) == ("queued", 0, None)
+    events = service.http.get(f"/jobs/{job['id']}/events").json()["data"]
+    assert "capacity lost: its gang no longer fits the cluster's 1 node(s)" in events[-2]["reason"]
+    assert events[-1]["reason"].startswith("capacity lost; requeued in its place, resumes from its")
+    service.tick()
+    assert service.job(job["id"])["state"] == "queued"  # capacity follows the nodes: it does not fit
+    assert "slot" in service.job(job["id"])["waiting_reason"]
+
+    service.backend.nodes.append(dict(TWO_NODES[1]))  # a node joins
+    service.tick()
+    job = service.job(job["id"])
+    assert (job["state"], job["attempt"]) == ("admitted", 2)
+    assert service.backend.submitted[-1][1].attempt == 2
+
+
+def test_a_gang_that_still_fits_after_a_node_left_keeps_running(
+    start_service: Callable[..., Service], spec: dict[str, Any]
+) -> None:
+    service = start_service(nodes=[dict(node) for node in TWO_NODES], shared_filesystem=True)
+    job = service.submit(spec)  # 1 worker + 1 data CPU: fits either node
+    run_to_running(service, [job["id"]])
+    service.backend.nodes.pop()
+    service.tick()
+    service.tick(time.time() + 600)  # well past capacity_loss_grace_s
+    assert service.job(job["id"])["state"] == "running"
+    assert service.backend.stopped == []
+
+
+def test_a_local_dataset_is_refused_on_a_cluster_of_more_than_one_node(
+    start_service: Callable[..., Service], spec: dict[str, Any]
+) -> None:
+    service = start_service(nodes=[dict(node) for node in TWO_NODES])
+    response = service.http.post("/jobs", json=spec)
+    assert response.status_code == 422
+    body = response.json()
+    assert "is a local path and the cluster has 2 nodes" in body["message"]
+    assert any(".".join(map(str, d["loc"][1:])) == "dataset.uri" for d in body["detail"]), body
+    assert service.count() == 0
+
+
+def test_local_checkpoint_storage_holds_every_job_once_a_second_node_joins(
+    start_service: Callable[..., Service], spec: dict[str, Any]
+) -> None:
+    service = start_service(nodes=[{"CPU": 8.0}], queues=EVEN)
+    job = service.submit(spec)  # one node: a local dataset and local storage are fine
+    service.backend.nodes.append({"CPU": 8.0})
+    service.tick()
+    job = service.job(job["id"])
+    assert job["state"] == "queued"
+    assert "is a local path and the cluster has 2 nodes" in job["waiting_reason"]
+    assert "APIARY_STORAGE_URI" in job["waiting_reason"]
+    service.backend.nodes.pop()
+    service.tick()
+    assert service.job(job["id"])["state"] == "admitted"
+
+
+def test_an_admitted_gang_that_lost_a_node_before_it_ran_goes_back_to_the_queue(
+    start_service: Callable[..., Service], spec: dict[str, Any]
+) -> None:
+    service = start_service(nodes=[dict(node) for node in TWO_NODES], shared_filesystem=True)
+    job = service.submit({**spec, "num_workers": 2, "placement": "strict_spread"})
+    service.tick()
+    submission = service.job(job["id"])["ray_submission_id"]
+    assert service.job(job["id"])["state"] == "admitted"  # Ray has not started it yet
+    service.backend.nodes.pop()
+    service.tick()
+    service.tick(time.time() + 31)  # past the default capacity_loss_grace_s
+    job = service.job(job["id"])
+    assert (job["state"], job["ray_submission_id"]) == ("queued", None)
+    assert service.backend.stopped == [submission]
+    reason = service.http.get(f"/jobs/{job['id']}/events").json()["data"][-1]["reason"]
+    assert reason.startswith("capacity lost: its gang no longer fits") and "requeued in its place" in reason

@@ -102,13 +102,6 @@ def test_a_checkpoint_in_s3_loads_and_rebuilds_its_model(s3: S3, tmp_path: Path)
 def test_jobs_get_the_s3_endpoint_and_aws_variables_in_their_runtime_env_only(
     s3: S3, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    class RecordingBackend(FakeBackend):
-        env_vars: dict[str, str] = {}
-
-        def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
-            RecordingBackend.env_vars = dict(env_vars)
-            super().submit(submission_id=submission_id, entrypoint=entrypoint, env_vars=env_vars)
-
     from service.runtime import Runtime
 
     uri = f"{s3.datasets_uri}/tokens"
@@ -118,7 +111,7 @@ def test_jobs_get_the_s3_endpoint_and_aws_variables_in_their_runtime_env_only(
     # Settings from the environment, as `apiary serve` reads it (the `s3` fixture set the variables).
     settings = Settings(data_dir=tmp_path / "data", storage_uri=s3.checkpoints_uri)
     assert settings.s3_endpoint_url == s3.endpoint_url
-    backend = RecordingBackend()
+    backend = FakeBackend()
     runtime = Runtime(settings, backend=backend, run_scheduler=False)
     runtime.start()
     try:
@@ -143,7 +136,7 @@ def test_jobs_get_the_s3_endpoint_and_aws_variables_in_their_runtime_env_only(
     _, launch = backend.submitted[0]
     assert launch.job_id == job.id
     assert launch.s3_endpoint_url == s3.endpoint_url and launch.storage_uri == s3.checkpoints_uri
-    env = RecordingBackend.env_vars
+    env = backend.env_vars
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
         assert env[key] == s3.env[key]
     secret = s3.env["AWS_SECRET_ACCESS_KEY"]

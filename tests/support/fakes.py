@@ -23,6 +23,9 @@ class FakeBackend:
     environments: dict[str, dict[str, str]] = field(default_factory=dict)
     stopped: list[str] = field(default_factory=list)
     available: bool = True
+    # The runtime_env of the last submission.
+    env_vars: dict[str, str] = field(default_factory=dict)
+    py_modules: list[str] | None = None
 
     def snapshot(self) -> ClusterSnapshot:
         if not self.available:
@@ -31,12 +34,20 @@ class FakeBackend:
             nodes=tuple(NodeCapacity(node_id=f"node-{i}", resources=r) for i, r in enumerate(self.nodes))
         )
 
-    def submit(self, *, submission_id: str, entrypoint: str, env_vars: dict[str, str]) -> None:
+    def submit(
+        self,
+        *,
+        submission_id: str,
+        entrypoint: str,
+        env_vars: dict[str, str],
+        py_modules: list[str] | None = None,
+    ) -> None:
         assert entrypoint.endswith(f"-m {LAUNCH_MODULE}")
         pointer = LaunchPointer.model_validate(json.loads(env_vars[LAUNCH_ENV_VAR]))
         self.submitted.append((submission_id, read_launch(pointer)))
         self.tokens[submission_id] = read_token(pointer)
         self.environments[submission_id] = dict(env_vars)
+        self.env_vars, self.py_modules = dict(env_vars), py_modules
         self.statuses[submission_id] = RayJobStatus.PENDING
 
     def job_info(self, submission_id: str) -> RayJobInfo:

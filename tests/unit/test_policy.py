@@ -84,6 +84,31 @@ def test_data_cpus_are_part_of_the_gang() -> None:
     assert not fits_empty_cluster(cluster(3), gang(1, 3, extra=1))
 
 
+def test_a_strict_spread_gang_takes_one_node_per_worker() -> None:
+    spec = JobSpec.model_validate(
+        {
+            "name": "spread",
+            "trainer": "mlp",
+            "num_workers": 2,
+            "placement": "strict_spread",
+            "dataset": {"uri": "file:///unused"},
+            "max_steps": 1,
+            "batch_size": 1,
+            "config": {"task": "classification", "num_classes": 2},
+        }
+    )
+    spread = gang_for(1, spec, data_cpus=1)
+    packed = gang_for(1, spec.model_copy(update={"placement": "pack"}), data_cpus=1)
+    assert fits_empty_cluster(cluster(8), packed) and not fits_empty_cluster(cluster(8), spread)
+    assert fits_empty_cluster(cluster(2, 1), spread)  # a worker on each node; data beside the first
+    assert spread.shape != packed.shape
+    # Admission agrees: with one of two nodes taken, the packed gang starts, the spread one waits.
+    taken = [running(9, 1, cpu=4)]
+    assert run(cluster(4, 4), [packed], taken).admit == (1,)
+    assert run(cluster(4, 4), [spread], taken).admit == ()
+    assert run(cluster(4, 4), [spread]).admit == (1,)
+
+
 def test_resources_the_cluster_lacks_never_fit() -> None:
     gpu = Gang(job_id=1, queue="research", priority=0, num_workers=1, per_worker={"CPU": 1, "GPU": 1})
     assert not fits_empty_cluster(cluster(8), gpu)

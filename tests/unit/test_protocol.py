@@ -29,6 +29,7 @@ from service.protocol import (
     JobFailure,
     LaunchPointer,
     LaunchRequest,
+    code_modules,
     entrypoint,
     error_line,
     failure_from_logs,
@@ -91,7 +92,7 @@ def test_the_launch_request_travels_through_the_handoff_and_the_environment_hold
     assert len(env[LAUNCH_ENV_VAR]) < 1024
     assert token not in json.dumps(env) and "vocab_size" not in env[LAUNCH_ENV_VAR]
     assert env["RAY_CHDIR_TO_TRIAL_DIR"] == "0"
-    assert entrypoint() == f"{sys.executable} -m trainers.launch"
+    assert entrypoint() == f"{sys.executable} -P -m trainers.launch"
 
     # Every process of the attempt reads the request and its token from the job's storage prefix.
     pointer = LaunchPointer.model_validate_json(env[LAUNCH_ENV_VAR])
@@ -126,3 +127,13 @@ def test_a_checkpoint_is_the_jobs_own_only_under_its_prefix() -> None:
 
 def test_the_superseded_error_name_is_the_domain_errors() -> None:
     assert AttemptSuperseded.__name__ == SUPERSEDED_ERROR
+
+
+def test_code_modules_are_the_service_and_trainers_packages_of_this_checkout() -> None:
+    import service
+    import trainers
+
+    folders = [Path(folder) for folder in code_modules()]
+    assert folders == [Path(service.__file__).parent, Path(trainers.__file__).parent]
+    assert all((folder / "__init__.py").is_file() for folder in folders)
+    assert entrypoint("/opt/nodes/python") == "/opt/nodes/python -P -m trainers.launch"

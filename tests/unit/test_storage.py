@@ -7,7 +7,7 @@ import pytest
 
 from api.demo import token_table, write_shards
 from service.errors import DatasetError
-from service.storage import list_shards, resolve_uri
+from service.storage import list_shards, node_local, resolve_uri
 
 
 def test_resolve_uri_local_and_s3() -> None:
@@ -42,3 +42,8 @@ def test_missing_or_empty_datasets_are_a_dataset_error_naming_the_field(tmp_path
     (tmp_path / "empty").mkdir()
     with pytest.raises(DatasetError, match=r"has no \.parquet files"):
         list_shards((tmp_path / "empty").as_uri())
+
+
+def test_only_local_paths_are_node_local() -> None:
+    assert node_local("/data/clf") and node_local("file:///data/clf")
+    assert not node_local("s3://bucket/clf")

@@ -74,6 +74,9 @@ def test_scaling_config_is_fixed_or_elastic(num_workers: Any, expected: Any) -> 
     assert scaling.elasticity_enabled == isinstance(expected, tuple)
     assert (scaling.min_workers, scaling.max_workers) == (spec.min_workers, spec.max_workers)
     assert not scaling.use_gpu and scaling.resources_per_worker == {"CPU": 1.0}
+    assert scaling.placement_strategy == "PACK"
+    spread = build_scaling_config(spec.model_copy(update={"placement": "strict_spread"}))
+    assert spread.placement_strategy == "STRICT_SPREAD"
 
 
 def test_load_custom_trainer() -> None:

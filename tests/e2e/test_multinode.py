@@ -1,0 +1,160 @@
+"""Apiary on a Ray cluster of two nodes, as processes on this machine: PostgreSQL (a fresh database),
+S3 (moto on loopback), a Ray head and a second Ray node (`ray start`, each with a custom resource
+named after it), and `apiary serve` pointed at them (APIARY_RAY_ADDRESS, APIARY_STORAGE_URI=s3://...,
+APIARY_DATABASE_URL).
+
+One job of two workers placed `strict_spread` (Ray Train's placement group strategy, which the
+scheduler's admission follows), so its gang spans both nodes. It reads its shards from S3 and
+checkpoints to S3; its code reaches the nodes through its runtime_env. The second node is killed (its
+raylet, agents and workers at once) while the job runs: the gang no longer fits the head alone, so
+the job is stopped and requeued ("capacity lost"), waits while capacity says it cannot fit, and
+resumes from its S3 checkpoint when a new node joins. Its final parameters equal an undisturbed run
+of the same spec on the same cluster. Prints the recovery figures for benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from api.client import ApiaryClient
+from api.demo import classification_table, write_shards
+from tests.conftest import S3
+from tests.e2e.conftest import Served, start_serve, stop_serve
+from tests.support.ray_cluster import RayCluster, ray_cluster
+from tests.support.wait import wait_until
+from trainers.checkpoint import build_model_from_checkpoint
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.ray]
+
+STEPS = 400
+EVERY = 100
+KILL_AFTER = 150  # past the first checkpoint, well before the end
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[RayCluster]:
+    # The head: one worker's CPU and the job's data CPU, and one to spare (the driver takes none).
+    with ray_cluster(tmp_path / "ray", head_cpus=3) as cluster:
+        cluster.add_node("node2", num_cpus=2)
+        yield cluster
+
+
+@pytest.fixture
+def served(cluster: RayCluster, s3: S3, postgres_url: str, tmp_path: Path) -> Iterator[Served]:
+    served = start_serve(
+        data_dir=tmp_path / "data",
+        database_url=postgres_url,
+        log=tmp_path / "serve.log",
+        env={
+            "APIARY_RAY_ADDRESS": cluster.dashboard_url,
+            "APIARY_RAY_AUTH_TOKEN": cluster.token,
+            "APIARY_STORAGE_URI": f"{s3.checkpoints_uri}/multinode",
+            "APIARY_CAPACITY_LOSS_GRACE_S": "3",
+        },
+    )
+    try:
+        yield served
+    finally:
+        stop_serve(served)
+
+
+def spec(dataset: str, name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "trainer": "mlp",
+        "num_workers": 2,
+        "resources_per_worker": {"CPU": 1},
+        "placement": "strict_spread",
+        "dataset": {"uri": dataset},
+        "max_steps": STEPS,
+        "batch_size": 16,
+        "checkpoint": {"every_steps": EVERY},
+        "max_failures": 3,
+        "config": {"task": "classification", "num_classes": 3, "lr": 0.01},
+    }
+
+
+def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undisturbed_run(
+    cluster: RayCluster, served: Served, s3: S3
+) -> None:
+    dataset = f"{s3.datasets_uri}/multinode-clf"
+    table = classification_table(num_rows=1024, num_features=8, num_classes=3)
+    write_shards(table, dataset, num_shards=4, s3_endpoint_url=s3.endpoint_url)
+    nodes = cluster.alive_nodes()
+    with ApiaryClient(served.url, user="e2e") as client:
+        job = client.submit(spec(dataset, "across-nodes"))
+
+        def at_kill_step() -> Any:
+            current = client.get(job.id)
+            assert current.state in ("queued", "admitted", "running"), current
+            return current if (current.latest_step or 0) >= KILL_AFTER else None
+
+        running = wait_until(at_kill_step, timeout_s=400, interval_s=0.2, what="the job at its kill step")
+        # Placed across both nodes: one rank on each (a rank's node: "ip (node id prefix)").
+        placed = {rank["node"].split("(")[1].rstrip(")") for rank in (running.ranks or {}).values()}
+        assert placed == {nodes["head"][:8], nodes["node2"][:8]}, running.ranks
+        # Apiary's code went with the job (runtime_env py_modules), not from the nodes.
+        ray_job = httpx.get(
+            f"{cluster.dashboard_url}/api/jobs/{running.ray_submission_id}",
+            headers={"Authorization": f"Bearer {cluster.token}"},
+            timeout=10,
+        ).json()
+        assert len(ray_job["runtime_env"]["py_modules"]) == 2, ray_job["runtime_env"]
+
+        killed_at = time.time()
+        cluster.nodes[1].kill()
+        wait_until(
+            lambda: "node2" not in cluster.alive_nodes(), timeout_s=60, what="Ray declaring node2 dead"
+        )
+
+        def requeued() -> Any:
+            current = client.get(job.id)
+            assert current.state not in ("failed", "succeeded", "cancelled"), current
+            return current if current.state == "queued" else None
+
+        waiting = wait_until(requeued, timeout_s=120, interval_s=0.5, what="the job requeued")
+        requeued_s = time.time() - killed_at
+        said = [event.reason for event in client.events(job.id)]
+        # Running: stopped, then requeued ("capacity lost; requeued ..."); or, when the driver died
+        # with the node and its recovery could not start: "capacity lost: ...; requeued ...".
+        assert any(r.startswith("capacity lost") and "requeued in its place" in r for r in said), said
+        # Capacity follows the nodes: with one node left, the gang waits, and says why.
+        wait_until(lambda: client.get(job.id).waiting_reason, timeout_s=30, what="a waiting reason")
+        assert client.get(job.id).state == "queued", waiting
+
+        cluster.add_node("node3", num_cpus=2)  # a node joins: the job resumes
+        joined_at = time.time()
+        job = client.wait(job.id, timeout_s=400)
+        assert job.state == "succeeded", job
+        assert job.latest_checkpoint_step == STEPS
+        assert job.latest_checkpoint is not None and job.latest_checkpoint.startswith(s3.checkpoints_uri)
+
+        points = client.metrics(job.id, rank=0, segments="all")
+        before = [p.step for p in points if p.time < killed_at]
+        broken = (running.attempt, max(p.segment for p in points if p.time < killed_at))
+        after = sorted((p for p in points if (p.attempt, p.segment) > broken), key=lambda p: p.time)
+        resumed_at, first_step = after[0].time, after[0].step
+        print(
+            f"\nmultinode recovery: node death to first step after resume {resumed_at - killed_at:.1f} s "
+            f"(requeued {requeued_s:.1f} s after the death; first step {resumed_at - joined_at:.1f} s after "
+            f"a new node joined), steps lost {max(before) - (first_step - 1)} (last step before the kill "
+            f"{max(before)}, resumed at step {first_step})"
+        )
+
+        reference = client.wait(client.submit(spec(dataset, "undisturbed")).id, timeout_s=400)
+        assert reference.state == "succeeded", reference
+
+    assert reference.latest_checkpoint is not None
+    final = build_model_from_checkpoint(job.latest_checkpoint, s3_endpoint_url=s3.endpoint_url).state_dict()
+    expected = build_model_from_checkpoint(
+        reference.latest_checkpoint, s3_endpoint_url=s3.endpoint_url
+    ).state_dict()
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[name], tensor) for name, tensor in expected.items())
