@@ -133,9 +133,55 @@ class CheckpointsPublic(BaseModel):
 
 
 class Health(BaseModel):
-    status: str
+    """GET /readyz: whether the service can do its work (database and Ray reachable)."""
+
+    status: str = Field(description="ok | degraded (Ray unreachable) | unavailable (database unreachable).")
     database: str
     ray: str
+
+
+class Alive(BaseModel):
+    """GET /healthz: the process lives and answers (liveness; it checks nothing else)."""
+
+    status: str
+
+
+class ErrorDetail(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ErrorPublic(BaseModel):
+    """Every error's body: a message that says what to do, and the error's name; for a refused
+    field, `detail` names it (its `loc`)."""
+
+    message: str
+    error: str
+    detail: list[ErrorDetail] | None = None
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` of a route for these error statuses, each with the `ErrorPublic` body."""
+    return {
+        status: {
+            "model": ErrorPublic,
+            "description": ERROR_STATUSES[status],
+            # Also on routes whose success is not JSON (logs, streams): their errors are.
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorPublic"}}},
+        }
+        for status in statuses
+    }
+
+
+ERROR_STATUSES = {
+    400: "The body is not JSON.",
+    404: "No such job; for logs also: no such attempt, or Ray has forgotten that attempt's logs.",
+    409: "The job is not in a state that allows this (for logs: it has not started yet).",
+    413: "The request body is too large.",
+    422: "A field is invalid (its name is in `detail[].loc`), or the job could never run as written.",
+    503: "The database or the Ray cluster cannot be reached right now: retry after Retry-After seconds.",
+}
 
 
 class QueuedJobPublic(BaseModel):

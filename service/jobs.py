@@ -140,6 +140,7 @@ class JobService:
                 )
                 if found is not None:
                     return self._replay(session, found, digest)
+        self._check_priority(spec)
         spec = self._apply_queue(spec)
         self._check_trainer(spec)
         list_shards(
@@ -174,6 +175,14 @@ class JobService:
                     extra={"action": "idempotent_race", "job": {"id": found.job_id}},
                 )
                 return self._replay(session, found, digest)
+
+    def _check_priority(self, spec: JobSpec) -> None:
+        low, high = self.settings.priority_min, self.settings.priority_max
+        if not low <= spec.priority <= high:
+            raise InvalidSpec(
+                f"priority must be between {low} and {high} on this service, got {spec.priority}",
+                field="priority",
+            )
 
     def _replay(self, session: Session, found: IdempotencyKey, digest: str) -> Submission:
         if found.request_hash != digest:

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 class Runtime:
-    """Start order: database (migrated) → Ray (local or `ray_address`) → scheduler loop.
+    """Start order: database (waited for, migrated) → Ray (local or `ray_address`) → scheduler loop.
 
     A local Ray that this service started and that dies is started again (`local_ray_check_s`): its
     jobs' Ray jobs are gone with it, and the scheduler recovers them from their checkpoints on the
@@ -53,6 +53,7 @@ class Runtime:
         self.settings.queues  # noqa: B018 (a bad APIARY_QUEUES_FILE fails here, before anything starts)
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.db = Database(self.settings.resolved_database_url)
+        self.db.wait(self.settings.database_wait_s)
         self.db.upgrade()
         backend = self._given_backend or self._connect_ray()
         self._jobs = JobService(db=self.db, backend=backend, settings=self.settings, metrics=self.metrics)

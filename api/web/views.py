@@ -25,10 +25,12 @@ from starlette.routing import Match
 from starlette.types import Scope
 
 from api.deps import JobsDep
+from api.limits import JobId
 from api.schemas import CheckpointPublic, EventPublic, JobPublic
 from service import repository
 from service.jobs import QueueView
 from service.models import Job
+from service.spec import MAX_INT
 from service.states import ACTIVE_STATES, JobState
 
 HERE = Path(__file__).parent
@@ -127,8 +129,8 @@ def capacity(view: QueueView) -> list[dict[str, Any]]:
 def queue_page(
     request: Request,
     jobs: JobsDep,
-    offset: Annotated[int, Query(ge=0)] = 0,
-    finished_offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
+    finished_offset: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
     part: Annotated[str | None, Query(pattern="^live$")] = None,
 ) -> HTMLResponse:
     views = jobs.queues(limit=QUEUE_PAGE, offset=offset)
@@ -154,7 +156,7 @@ def queue_page(
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(
-    job_id: int,
+    job_id: JobId,
     request: Request,
     jobs: JobsDep,
     part: Annotated[str | None, Query(pattern="^live$")] = None,

@@ -48,18 +48,22 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
     servers: list[BackgroundServer] = []
 
     def start(
-        *, queues: dict[str, Any] | None = None, nodes: list[dict[str, float]] | None = None
+        *,
+        queues: dict[str, Any] | None = None,
+        nodes: list[dict[str, float]] | None = None,
+        run_scheduler: bool = False,
+        **settings_fields: Any,
     ) -> Service:
+        """`settings_fields` override the Settings (e.g. database_url); `run_scheduler` runs its loop."""
         port = free_port()
         queues_file = None
         if queues is not None:
             queues_file = tmp_path / "queues.yaml"
             queues_file.write_text(yaml.safe_dump(queues))
-        settings = Settings(
-            data_dir=tmp_path / "data", database_url=database_url, port=port, queues_file=queues_file
-        )
+        fields = {"data_dir": tmp_path / "data", "database_url": database_url, **settings_fields}
+        settings = Settings(port=port, queues_file=queues_file, **fields)
         backend = FakeBackend(nodes=nodes) if nodes is not None else FakeBackend()
-        runtime = Runtime(settings, backend=backend, run_scheduler=False)
+        runtime = Runtime(settings, backend=backend, run_scheduler=run_scheduler)
         server = BackgroundServer(create_app(runtime=runtime), host="127.0.0.1", port=port)
         server.start()
         servers.append(server)

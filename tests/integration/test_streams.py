@@ -120,7 +120,7 @@ def test_bad_stream_requests_are_404_and_422(service: Service) -> None:
     assert service.http.get("/jobs/999/stream").status_code == 404
     bad = service.http.get("/jobs/999/stream", headers={"Last-Event-ID": "yesterday"})
     assert bad.status_code == 422 and "last-event-id" in bad.json()["message"]
-    bad = service.http.get("/jobs/999/stream", params={"last_event_id": "1"})
+    bad = service.http.get("/jobs/999/stream", params={"last_event_id": "1.x"})
     assert bad.status_code == 422 and "last_event_id" in bad.json()["message"]
 
 

@@ -37,3 +37,17 @@ def make_request(spec: JobSpec, *, storage: Path | str, run_name: str, **fields:
     return LaunchRequest(
         job_id=1, attempt=1, spec=spec, storage_uri=str(storage), run_name=run_name, **values
     )
+
+
+def mlp_spec(dataset_uri: str, **fields: Any) -> dict[str, Any]:
+    """A small `mlp` job spec as a client posts it (JSON), on a classification dataset of 3 classes."""
+    return {
+        "name": "mlp-test",
+        "trainer": "mlp",
+        "num_workers": 1,
+        "dataset": {"uri": dataset_uri},
+        "max_steps": 20,
+        "batch_size": 8,
+        "config": {"task": "classification", "num_classes": 3},
+        **fields,
+    }
