@@ -4,10 +4,10 @@ The SDK (api.client) returns these same models, so this module loads without SQL
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from service.queues import QueueConfig
 from service.spec import JobSpec
@@ -16,6 +16,14 @@ from service.states import CheckpointState, JobState
 if TYPE_CHECKING:  # the SDK (api.client) reads these schemas without the database's modules
     from service.jobs import QueueView
     from service.models import Checkpoint, Job, JobEvent, Metric
+
+
+def _utc(value: datetime) -> datetime:
+    # SQLite hands back the UTC times it stored without their offset; RFC 3339 (JSON) needs one.
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_utc)]
 
 
 class JobPublic(BaseModel):
@@ -37,7 +45,9 @@ class JobPublic(BaseModel):
     waiting_reason: str | None = Field(
         description="Why it is not running yet, from the last scheduling pass."
     )
-    eta_at: datetime | None = Field(description="When it is expected to start (an estimate), while queued.")
+    eta_at: UtcDatetime | None = Field(
+        description="When it is expected to start (an estimate), while queued."
+    )
     latest_step: int | None
     stop_requested: str | None = Field(
         description="preempted | user | max_runtime | shutdown, while preempting."
@@ -51,11 +61,11 @@ class JobPublic(BaseModel):
     failures: int = Field(
         description="Failures counted against the spec's max_failures: restarts, lost drivers and Ray jobs."
     )
-    created_at: datetime
-    updated_at: datetime
-    admitted_at: datetime | None
-    started_at: datetime | None
-    finished_at: datetime | None
+    created_at: UtcDatetime
+    updated_at: UtcDatetime
+    admitted_at: UtcDatetime | None
+    started_at: UtcDatetime | None
+    finished_at: UtcDatetime | None
 
     @classmethod
     def build(cls, job: Job) -> JobPublic:
@@ -71,7 +81,7 @@ class EventPublic(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
     id: int
-    at: datetime
+    at: UtcDatetime
     from_state: JobState | None
     to_state: JobState | None
     actor: str
@@ -117,10 +127,10 @@ class CheckpointPublic(BaseModel):
         description="kept; deleting (retention decided, storage not done yet: retried); deleted."
     )
     metrics: dict[str, float] = Field(description="Rank 0's step metrics at its step ({} if not known).")
-    created_at: datetime
+    created_at: UtcDatetime
     delete_attempts: int
     last_error: str | None = Field(description="Why the last deletion failed, or was not made.")
-    deleted_at: datetime | None
+    deleted_at: UtcDatetime | None
 
     @classmethod
     def build(cls, checkpoint: Checkpoint) -> CheckpointPublic:
@@ -191,7 +201,7 @@ class QueuedJobPublic(BaseModel):
     priority: int
     position: int | None
     reason: str | None
-    eta_at: datetime | None
+    eta_at: UtcDatetime | None
 
 
 class QueuePublic(BaseModel):

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.spec import Float, GPTConfig, Int, JobSpec
+from service.spec import MAX_INT, Float, GPTConfig, Int, JobSpec
 
 HOUR_S = 3600.0
 # A job's mean time between failures until one is observed (Settings.default_mtbf_s; the trainers'
@@ -56,12 +56,16 @@ class PlanFacts(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     params: Float | None = Field(default=None, gt=0, description="Model parameters, e.g. 70e9.")
-    workers: Int | None = Field(default=None, ge=1, description="Data-parallel workers (ranks).")
-    batch_per_worker: Int | None = Field(default=None, ge=1, description="Samples per worker per step.")
+    workers: Int | None = Field(default=None, le=MAX_INT, ge=1, description="Data-parallel workers (ranks).")
+    batch_per_worker: Int | None = Field(
+        default=None, le=MAX_INT, ge=1, description="Samples per worker per step."
+    )
     step_time_s: Float | None = Field(
         default=None, gt=0, description="Time of one step's compute (a measured step: the whole step)."
     )
-    steps: Int | None = Field(default=None, ge=1, description="Steps of the run (the spec's max_steps).")
+    steps: Int | None = Field(
+        default=None, le=MAX_INT, ge=1, description="Steps of the run (the spec's max_steps)."
+    )
     grad_bytes_per_worker: Float | None = Field(
         default=None,
         ge=0,
@@ -81,7 +85,9 @@ class PlanFacts(BaseModel):
     ckpt_write_s: Float | None = Field(
         default=None, gt=0, description="A measured save time, instead of size over bandwidth."
     )
-    ckpt_every_steps: Int | None = Field(default=None, ge=1, description="Checkpoint every K steps.")
+    ckpt_every_steps: Int | None = Field(
+        default=None, le=MAX_INT, ge=1, description="Checkpoint every K steps."
+    )
     ckpt_every_s: Float | None = Field(default=None, gt=0, description="Checkpoint every S seconds.")
     mtbf_s: Float | None = Field(default=None, gt=0, description="Mean time between failures of the job.")
     restart_s: Float | None = Field(
@@ -100,7 +106,9 @@ class PlanFacts(BaseModel):
     hours: Float | None = Field(
         default=None, gt=0, description="Wall hours of work to price; default steps x step time."
     )
-    nodes: Int | None = Field(default=None, ge=1, description="Nodes of the cluster (shown, not used).")
+    nodes: Int | None = Field(
+        default=None, le=MAX_INT, ge=1, description="Nodes of the cluster (shown, not used)."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator
 
-from service.spec import MAX_URI_CHARS, Bool, Float, Int, JobSpec, Strict
+from service.spec import MAX_INT, MAX_URI_CHARS, NO_NUL, Bool, Float, Int, JobSpec, Strict
 
 LAUNCH_ENV_VAR = "APIARY_LAUNCH"
 LAUNCH_MODULE = "trainers.launch"
@@ -48,8 +48,8 @@ _EXCEPTION_LINE = re.compile(r"^[A-Za-z_.]*(Error|Exception)\b.*:")
 class LaunchRequest(Strict):
     """What the service tells `python -m trainers.launch` about one attempt of a job."""
 
-    job_id: Int
-    attempt: Int = Field(ge=1)
+    job_id: Int = Field(le=MAX_INT)
+    attempt: Int = Field(le=MAX_INT, ge=1)
     submission_id: str | None = Field(default=None, description="This attempt's Ray job.")
     spec: JobSpec
     storage_uri: str = Field(description="Root for checkpoints; the run lives at {storage_uri}/{run_name}.")
@@ -58,6 +58,7 @@ class LaunchRequest(Strict):
     data_cpus: Float = Field(default=1.0, gt=0, description="CPU budget of the job's Ray Data tasks.")
     failures_left: Int | None = Field(
         default=None,
+        le=MAX_INT,
         ge=0,
         description="Worker-group restarts this attempt may take (Ray Train's max_failures): what is "
         "left of the spec's max_failures after the job's earlier failures; None = all of it.",
@@ -100,8 +101,8 @@ def launch_env(request: LaunchRequest) -> dict[str, str]:
 
 
 class MetricPoint(Strict):
-    step: Int = Field(ge=0)
-    rank: Int = Field(ge=0)
+    step: Int = Field(le=MAX_INT, ge=0)
+    rank: Int = Field(le=MAX_INT, ge=0)
     time: Float = Field(description="Unix time in seconds.")
     values: dict[str, Float] = Field(
         max_length=MAX_VALUES_PER_POINT,
@@ -120,8 +121,8 @@ class MetricPoint(Strict):
 class CheckpointRecord(Strict):
     """A checkpoint that is complete in storage: its step and its URI (file:// or s3://)."""
 
-    step: Int = Field(ge=0)
-    uri: str = Field(max_length=MAX_URI_CHARS)
+    step: Int = Field(le=MAX_INT, ge=0)
+    uri: str = Field(max_length=MAX_URI_CHARS, pattern=NO_NUL)
 
 
 # The event a worker group's rank 0 posts when it starts (its step: the step it resumed from).
@@ -136,11 +137,13 @@ class TrainerEvent(Strict):
     """
 
     kind: str = Field(pattern=r"^[a-z][a-z_]{0,31}$")
-    step: Int = Field(ge=0, description="The step it happened at (for group_started: resumed from).")
-    rank: Int = Field(ge=0)
+    step: Int = Field(
+        le=MAX_INT, ge=0, description="The step it happened at (for group_started: resumed from)."
+    )
+    rank: Int = Field(le=MAX_INT, ge=0)
     time: Float = Field(description="Unix time in seconds.")
-    message: str = Field(max_length=MAX_REASON_CHARS)
-    data: dict[str, Int | Float | Annotated[str, Field(max_length=MAX_REASON_CHARS)]] = Field(
+    message: str = Field(max_length=MAX_REASON_CHARS, pattern=NO_NUL)
+    data: dict[str, Int | Float | Annotated[str, Field(max_length=MAX_REASON_CHARS, pattern=NO_NUL)]] = Field(
         default_factory=dict, max_length=32
     )
 
@@ -153,8 +156,8 @@ HEARTBEAT_S = 5.0
 class RankStatus(Strict):
     """What one rank is doing, sent with every post: how the service finds hangs and stragglers."""
 
-    rank: Int = Field(ge=0)
-    step: Int = Field(ge=0, description="The last step this rank completed.")
+    rank: Int = Field(le=MAX_INT, ge=0)
+    step: Int = Field(le=MAX_INT, ge=0, description="The last step this rank completed.")
     step_at: Float | None = Field(description="When it completed it (Unix seconds); None before step 1.")
     phase: str = Field(
         pattern=r"^[a-z_]{1,16}$",
@@ -162,16 +165,17 @@ class RankStatus(Strict):
         "which includes DDP's gradient all-reduce) | sync (the step's collective) | checkpoint | done",
     )
     phase_since: Float = Field(description="When it entered `phase` (Unix seconds).")
-    node: str = Field(max_length=128, description="The node it runs on (IP and Ray node id).")
-    pid: Int
+    node: str = Field(max_length=128, pattern=NO_NUL, description="The node it runs on (IP and Ray node id).")
+    pid: Int = Field(le=MAX_INT)
 
 
 class TelemetryBatch(Strict):
     """One post from a trainer rank to the control plane."""
 
-    attempt: Int = Field(ge=1)
+    attempt: Int = Field(le=MAX_INT, ge=1)
     segment: Int = Field(
         default=0,
+        le=MAX_INT,
         ge=0,
         description="Which start of the worker group within the attempt sent it: rank 0's start time "
         "in milliseconds, shared by every rank, so a later restart has a larger one; 0 = not known "
@@ -185,7 +189,7 @@ class TelemetryBatch(Strict):
 
 
 class TelemetryReply(Strict):
-    stored: Int = Field(description="Metric points taken (a re-posted point is stored once).")
+    stored: Int = Field(le=MAX_INT, description="Metric points taken (a re-posted point is stored once).")
     stop: Bool = Field(default=False, description="Checkpoint at the next step and exit: preempted.")
     superseded: Bool = Field(
         default=False,

@@ -16,7 +16,6 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 import yaml
-from annotated_types import Le
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -39,6 +38,8 @@ MAX_PRIORITY = 100
 MAX_INT = 2**53 - 1
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_URI_CHARS = 4096
+# Text that is stored: PostgreSQL's text cannot hold a NUL character.
+NO_NUL = r"^[^\x00]*$"
 # Matched whole (`fullmatch`); the same patterns are in the OpenAPI schema, so that a client generating
 # specs from it and the server agree.
 _IMPORT_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
@@ -58,7 +59,8 @@ def _number(value: Any) -> Any:
     return value
 
 
-Int = Annotated[int, Le(MAX_INT), BeforeValidator(_number)]
+# Bounded by each field (`le=MAX_INT` where nothing smaller applies): a bound here would override theirs.
+Int = Annotated[int, BeforeValidator(_number)]
 Float = Annotated[float, BeforeValidator(_number)]
 Bool = Annotated[bool, StrictType()]
 
@@ -88,12 +90,12 @@ class DatasetSpec(Strict):
     uri: str = Field(
         max_length=MAX_URI_CHARS,
         description="Folder or file of shards: file:///abs/path or s3://bucket/prefix.",
-        json_schema_extra={"pattern": "^(file:///|s3://)"},
+        json_schema_extra={"pattern": "^(file:///|s3://)[^\\x00]*$"},
     )
     format: DataFormat = DataFormat.PARQUET
     shuffle: Bool = Field(default=True, description="Shuffle shards and samples by (seed, epoch).")
     shuffle_buffer_rows: Int = Field(
-        default=1024, ge=1, description="Samples are shuffled within a window of this many rows."
+        default=1024, le=MAX_INT, ge=1, description="Samples are shuffled within a window of this many rows."
     )
 
     @field_validator("uri")
@@ -101,6 +103,8 @@ class DatasetSpec(Strict):
     def _known_scheme(cls, uri: str) -> str:
         if not uri.startswith(("file:///", "s3://")):
             raise ValueError("must start with file:/// (an absolute local path) or s3://")
+        if "\x00" in uri:
+            raise ValueError("must not contain a NUL character")
         return uri
 
 
@@ -131,6 +135,7 @@ class CheckpointSpec(Strict):
 
     every_steps: Int | None = Field(
         default=None,
+        le=MAX_INT,
         ge=1,
         description="Save a checkpoint every N steps; a final one is always saved at max_steps.",
     )
@@ -192,6 +197,7 @@ class AnomalySpec(Strict):
     )
     min_steps: Int = Field(
         default=20,
+        le=MAX_INT,
         ge=2,
         description="Normal steps in the window before spikes are looked for (at most `window`).",
     )
@@ -297,9 +303,9 @@ class JobSpec(Strict):
     strategy: Strategy = Strategy.DDP
     precision: Literal["fp32", "bf16"] = Field(default="fp32", description="bf16 = autocast (CPU too).")
     dataset: DatasetSpec
-    max_steps: Int = Field(ge=1)
-    batch_size: Int = Field(ge=1, description="Samples per worker per step.")
-    seed: Int = Field(default=0, ge=0)
+    max_steps: Int = Field(le=MAX_INT, ge=1)
+    batch_size: Int = Field(le=MAX_INT, ge=1, description="Samples per worker per step.")
+    seed: Int = Field(default=0, le=MAX_INT, ge=0)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     max_failures: Int = Field(default=0, ge=0, le=100)
     on_anomaly: AnomalyAction = Field(

@@ -12,7 +12,7 @@ from api.schemas import error_responses
 from service.errors import InvalidSpec
 from service.planner import PlanFacts
 from service.planning import measured_plan
-from service.spec import Int, JobSpec
+from service.spec import MAX_INT, Int, JobSpec
 
 router = APIRouter(tags=["plan"])
 
@@ -24,6 +24,7 @@ class PlanRequest(BaseModel):
     spec: JobSpec | None = Field(default=None, description="A job spec to take facts from.")
     job_id: Int | None = Field(
         default=None,
+        le=MAX_INT,
         ge=1,
         description="A job whose spec and measured step time to use (its spec unless `spec`).",
     )

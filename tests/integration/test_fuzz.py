@@ -32,6 +32,11 @@ hooks = "tests.support.fuzz_hooks"
 # The SSE routes stream until a job ends: their first event is enough to check.
 max-stream-events = 1
 
+# A followed log streams until the job's Ray job ends, which a fake cluster's never does.
+[[operations]]
+include-path = "/jobs/{job_id}/logs"
+parameters = {"query.follow" = false}
+
 [[operations]]
 include-method = "POST"
 include-path-regex = "^/(jobs|plan)$"
