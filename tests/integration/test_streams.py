@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from api.routes import streams
+from service.protocol import MAX_POINTS_PER_POST
 from tests.integration.conftest import Service
 from tests.support.sse import SseReader
 from tests.support.wait import wait_until
@@ -33,9 +34,10 @@ def post_points(service: Service, job_id: int, steps: range, *, attempt: int = 1
         for step in steps
         for rank in (0, 1)
     ]
-    body = {"attempt": attempt, "segment": segment, "points": points}
-    response = service.http.post(f"/internal/jobs/{job_id}/telemetry", json=body)
-    assert response.status_code == 202, response.text
+    for start in range(0, len(points), MAX_POINTS_PER_POST):  # as a trainer posts them
+        body = {"attempt": attempt, "segment": segment, "points": points[start : start + MAX_POINTS_PER_POST]}
+        response = service.http.post(f"/internal/jobs/{job_id}/telemetry", json=body)
+        assert response.status_code == 202, response.text
 
 
 def stream(service: Service, path: str, **headers: str) -> SseReader:
