@@ -24,6 +24,7 @@ from service.errors import (
     JobNotFound,
     JobNotStarted,
     LogsNotFound,
+    one_line,
 )
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,11 @@ async def database_error(request: Request, error: Exception) -> JSONResponse:
     if not is_database_unavailable(error):
         raise error
     # The driver's text names hosts and statements: it goes to the log, never to the client.
-    logger.warning("database unavailable: %s", type(error).__name__, extra={"action": "database_unavailable"})
+    logger.warning(
+        "database unavailable: %s",
+        one_line(getattr(error, "orig", None) or error),
+        extra={"action": "database_unavailable"},
+    )
     return await apiary_error(request, DatabaseUnavailable())
 
 
