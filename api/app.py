@@ -2,20 +2,54 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI, Response
 from sqlalchemy import text
 
 from api import errors
 from api.deps import AUTH_RESPONSES, RuntimeDep, get_current_user
+from api.limits import BodyLimit
 from api.routes import auth, internal, jobs, logs, metrics, plan, queues, streams
-from api.schemas import Health
+from api.schemas import Alive, Health, error_responses
 from api.web import views as web
 from service.errors import ClusterUnavailable
 from service.runtime import Runtime
 from service.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+# Pydantic writes a bound that sits outside a before-validator (an optional `service.spec.Int` with
+# `ge=1`) under its own keyword; JSON Schema's names are what clients generating from the schema read.
+_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _standard_bounds(node: Any) -> None:
+    if isinstance(node, dict):
+        for key, standard in _BOUNDS.items():
+            if key in node and isinstance(node[key], int | float):
+                node[standard] = node.pop(key)
+        for value in node.values():
+            _standard_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _standard_bounds(value)
+
+
+def _standard_openapi(app: FastAPI) -> None:
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            _standard_bounds(generate())
+        assert app.openapi_schema is not None
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def create_app(settings: Settings | None = None, *, runtime: Runtime | None = None) -> FastAPI:
@@ -35,7 +69,11 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         summary="Queue, gang-schedule and checkpoint distributed PyTorch training jobs on Ray.",
         version="0.1.0",
         lifespan=lifespan,
+        # Any request: a body too large (api.limits), the database or Ray unreachable.
+        responses=error_responses(413, 503),
     )
+    app.add_middleware(BodyLimit)
+    _standard_openapi(app)
     errors.install(app)
     web.install(app)  # first: its page at /jobs/{id} answers browsers, the JSON route everyone else
     # Everything needs a user (service.auth) but the trainers' telemetry and what monitoring reads
@@ -47,21 +85,32 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
     app.include_router(internal.router)
     app.include_router(metrics.router)
 
-    @app.get("/healthz", response_model=Health, tags=["health"])
-    def healthz(runtime: RuntimeDep, response: Response) -> Health:
+    @app.get("/healthz", response_model=Alive, tags=["health"])
+    def healthz() -> Alive:
+        """Liveness: 200 while the process answers, whatever its database or Ray (see /readyz)."""
+        return Alive(status="ok")
+
+    @app.get("/readyz", response_model=Health, tags=["health"], responses={503: {"model": Health}})
+    def readyz(runtime: RuntimeDep, response: Response) -> Health:
+        """Readiness: 200 when the database and Ray answer; 503 (with what is down) otherwise, so that
+        a load balancer sends requests elsewhere. The database's raw error stays in the log."""
         database = ray = "ok"
         try:
             assert runtime.db is not None
             with runtime.db.session() as session:
                 session.execute(text("SELECT 1"))
         except Exception as err:
-            database = f"unavailable: {err}"
+            logger.warning("readiness: database unavailable: %s", err, extra={"action": "not_ready"})
+            database = "unavailable"
         try:
             runtime.jobs.backend.snapshot()
         except ClusterUnavailable as err:
             ray = f"unavailable: {err.message}"
-        healthy = database == "ok"
-        response.status_code = 200 if healthy else 503
-        return Health(status="ok" if healthy and ray == "ok" else "degraded", database=database, ray=ray)
+        ready = database == "ok" and ray == "ok"
+        response.status_code = 200 if ready else 503
+        if not ready:
+            response.headers["Retry-After"] = str(errors.RETRY_AFTER_S)
+        status = "ok" if ready else "unavailable" if database != "ok" else "degraded"
+        return Health(status=status, database=database, ray=ray)
 
     return app

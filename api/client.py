@@ -405,7 +405,8 @@ class ApiaryClient:
         return self._get("/queues", QueuesPublic, params={"limit": limit}).data
 
     def health(self) -> Health:
-        response = self._http.get("/healthz")  # 503 still answers with the body
+        """Readiness (GET /readyz): whether the database and Ray answer."""
+        response = self._http.get("/readyz")  # 503 still answers with the body
         return Health.model_validate(response.json())
 
     # --- streams ----------------------------------------------------------------------------

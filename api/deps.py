@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyCookie, HTTPAuthorizationCredentials, HTTPBearer
 
+from api.schemas import error_responses
 from service.auth import Auth, User
 from service.jobs import JobService
 from service.runtime import Runtime
@@ -20,17 +21,9 @@ BEARER = HTTPBearer(auto_error=False, description="An API token: `apiary token c
 COOKIE = APIKeyCookie(name=TOKEN_COOKIE, auto_error=False, description="The web view's token.")
 
 # What every route that needs a user may answer besides its own statuses (declared in the OpenAPI).
-AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
-    401: {"description": "No API token, or an unknown or revoked one (`Authorization: Bearer ...`)."},
-}
-OWNER_RESPONSES: dict[int | str, dict[str, Any]] = {
-    **AUTH_RESPONSES,
-    403: {"description": "Only the job's owner or an admin may do this."},
-}
-ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
-    **AUTH_RESPONSES,
-    403: {"description": "Only an admin may do this."},
-}
+AUTH_RESPONSES = error_responses(401)
+OWNER_RESPONSES = error_responses(401, 403)
+ADMIN_RESPONSES = error_responses(401, 403)
 
 
 def get_runtime(request: Request) -> Runtime:

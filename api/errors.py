@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.exceptions import HTTPException
+from starlette.routing import Match, Route
 
 from service.errors import (
     ApiaryError,
     AttemptSuperseded,
     ClusterUnavailable,
+    DatabaseUnavailable,
     Forbidden,
     IdempotencyKeyReused,
     InvalidReport,
@@ -24,9 +30,13 @@ from service.errors import (
     ReportRefused,
     TokenNotFound,
     Unauthenticated,
+    one_line,
 )
 
 logger = logging.getLogger(__name__)
+
+# What a client that got a 503 waits before it retries (the header Retry-After).
+RETRY_AFTER_S = 5
 
 STATUS: dict[type[ApiaryError], int] = {
     JobNotFound: 404,
@@ -34,6 +44,7 @@ STATUS: dict[type[ApiaryError], int] = {
     InvalidTransition: 409,
     IdempotencyKeyReused: 409,
     ClusterUnavailable: 503,
+    DatabaseUnavailable: 503,
     JobNotStarted: 409,
     LogsNotFound: 404,
     ReportRefused: 401,
@@ -69,7 +80,29 @@ async def apiary_error(_request: Request, error: Exception) -> JSONResponse:
         ]
     if status >= 500:
         logger.error("request failed: %s", error.message, extra={"action": "request_failed"})
-    return JSONResponse(status_code=status, content=body)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(status_code=status, content=body, headers=headers)
+
+
+def is_database_unavailable(error: BaseException) -> bool:
+    """A lost or refused connection, a pool that cannot hand one out, a locked SQLite file: the
+    database, not the request, is at fault, and a retry may succeed. (A constraint or data error is
+    not one of these.)"""
+    if isinstance(error, OperationalError | InterfaceError | PoolTimeout):
+        return True
+    return isinstance(error, DBAPIError) and error.connection_invalidated
+
+
+async def database_error(request: Request, error: Exception) -> JSONResponse:
+    if not is_database_unavailable(error):
+        raise error
+    # The driver's text names hosts and statements: it goes to the log, never to the client.
+    logger.warning(
+        "database unavailable: %s",
+        one_line(getattr(error, "orig", None) or error),
+        extra={"action": "database_unavailable"},
+    )
+    return await apiary_error(request, DatabaseUnavailable())
 
 
 async def validation_error(_request: Request, error: Exception) -> JSONResponse:
@@ -83,6 +116,29 @@ async def validation_error(_request: Request, error: Exception) -> JSONResponse:
     )
 
 
+async def http_error(request: Request, error: Exception) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method, a body that is not JSON) in the same shape
+    as every other error. A 405's Allow lists the methods of every route on the path, not only of the
+    first one that matched it (GET and POST /jobs are two routes)."""
+    assert isinstance(error, HTTPException)
+    headers = dict(error.headers or {})
+    if error.status_code == 405:
+        methods = {
+            method
+            for route in request.app.routes
+            if isinstance(route, Route)
+            and route.methods
+            and route.matches(request.scope)[0] is not Match.NONE
+            for method in route.methods
+        }
+        headers["Allow"] = ", ".join(sorted(methods))
+    body = {"message": str(error.detail), "error": HTTPStatus(error.status_code).phrase.replace(" ", "")}
+    return JSONResponse(status_code=error.status_code, content=body, headers=headers)
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(ApiaryError, apiary_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(DBAPIError, database_error)
+    app.add_exception_handler(PoolTimeout, database_error)

@@ -4,13 +4,13 @@ The SDK (api.client) returns these same models, so this module loads without SQL
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from service.queues import QueueConfig
-from service.spec import MAX_PRIORITY, JobSpec, Queue
+from service.spec import MAX_PRIORITY, Bool, Int, JobSpec, Queue
 from service.states import CheckpointState, JobState
 
 if TYPE_CHECKING:  # the SDK (api.client) reads these schemas without the database's modules
@@ -24,9 +24,17 @@ class JobUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     queue: Queue | None = Field(default=None, description="Move a queued job to this queue.")
-    priority: int | None = Field(
+    priority: Int | None = Field(
         default=None, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="The job's new priority."
     )
+
+
+def _utc(value: datetime) -> datetime:
+    # SQLite hands back the UTC times it stored without their offset; RFC 3339 (JSON) needs one.
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_utc)]
 
 
 class JobPublic(BaseModel):
@@ -48,7 +56,9 @@ class JobPublic(BaseModel):
     waiting_reason: str | None = Field(
         description="Why it is not running yet, from the last scheduling pass."
     )
-    eta_at: datetime | None = Field(description="When it is expected to start (an estimate), while queued.")
+    eta_at: UtcDatetime | None = Field(
+        description="When it is expected to start (an estimate), while queued."
+    )
     latest_step: int | None
     stop_requested: str | None = Field(
         description="preempted | user | max_runtime | shutdown | lost_capacity, while preempting."
@@ -62,11 +72,11 @@ class JobPublic(BaseModel):
     failures: int = Field(
         description="Failures counted against the spec's max_failures: restarts, lost drivers and Ray jobs."
     )
-    created_at: datetime
-    updated_at: datetime
-    admitted_at: datetime | None
-    started_at: datetime | None
-    finished_at: datetime | None
+    created_at: UtcDatetime
+    updated_at: UtcDatetime
+    admitted_at: UtcDatetime | None
+    started_at: UtcDatetime | None
+    finished_at: UtcDatetime | None
 
     @classmethod
     def build(cls, job: Job) -> JobPublic:
@@ -82,7 +92,7 @@ class EventPublic(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
     id: int
-    at: datetime
+    at: UtcDatetime
     from_state: JobState | None
     to_state: JobState | None
     actor: str
@@ -128,10 +138,10 @@ class CheckpointPublic(BaseModel):
         description="kept; deleting (retention decided, storage not done yet: retried); deleted."
     )
     metrics: dict[str, float] = Field(description="Rank 0's step metrics at its step ({} if not known).")
-    created_at: datetime
+    created_at: UtcDatetime
     delete_attempts: int
     last_error: str | None = Field(description="Why the last deletion failed, or was not made.")
-    deleted_at: datetime | None
+    deleted_at: UtcDatetime | None
 
     @classmethod
     def build(cls, checkpoint: Checkpoint) -> CheckpointPublic:
@@ -144,9 +154,59 @@ class CheckpointsPublic(BaseModel):
 
 
 class Health(BaseModel):
-    status: str
+    """GET /readyz: whether the service can do its work (database and Ray reachable)."""
+
+    status: str = Field(description="ok | degraded (Ray unreachable) | unavailable (database unreachable).")
     database: str
     ray: str
+
+
+class Alive(BaseModel):
+    """GET /healthz: the process lives and answers (liveness; it checks nothing else)."""
+
+    status: str
+
+
+class ErrorDetail(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ErrorPublic(BaseModel):
+    """Every error's body: a message that says what to do, and the error's name; for a refused
+    field, `detail` names it (its `loc`)."""
+
+    message: str
+    error: str
+    detail: list[ErrorDetail] | None = None
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` of a route for these error statuses, each with the `ErrorPublic` body."""
+    return {
+        status: {
+            "model": ErrorPublic,
+            "description": ERROR_STATUSES[status],
+            # Also on routes whose success is not JSON (logs, streams): their errors are.
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorPublic"}}},
+        }
+        for status in statuses
+    }
+
+
+ERROR_STATUSES = {
+    400: "The body is not JSON.",
+    401: "No API token, or an unknown or revoked one (`Authorization: Bearer ...`); for telemetry, not "
+    "the report token of the job's current attempt.",
+    403: "The token may not do this: only the job's owner or an admin may (admin-only routes: an admin); "
+    "for telemetry, an attempt that was given up.",
+    404: "No such job; for logs also: no such attempt, or Ray has forgotten that attempt's logs.",
+    409: "The job is not in a state that allows this (for logs: it has not started yet).",
+    413: "The request body is too large.",
+    422: "A field is invalid (its name is in `detail[].loc`), or the job could never run as written.",
+    503: "The database or the Ray cluster cannot be reached right now: retry after Retry-After seconds.",
+}
 
 
 class QueuedJobPublic(BaseModel):
@@ -156,7 +216,7 @@ class QueuedJobPublic(BaseModel):
     priority: int
     position: int | None
     reason: str | None
-    eta_at: datetime | None
+    eta_at: UtcDatetime | None
 
 
 class QueuePublic(BaseModel):
@@ -209,7 +269,7 @@ class TokenCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     user: str = Field(min_length=1, max_length=128, description="Who the token is: its jobs' owner.")
-    admin: bool = False
+    admin: Bool = False
 
 
 class TokenPublic(BaseModel):
@@ -218,8 +278,8 @@ class TokenPublic(BaseModel):
     id: int
     user: str
     admin: bool
-    created_at: datetime
-    revoked_at: datetime | None
+    created_at: UtcDatetime
+    revoked_at: UtcDatetime | None
 
     @classmethod
     def build(cls, token: ApiToken) -> TokenPublic:

@@ -102,7 +102,7 @@ def served(database_url: str, *, workdir: Path) -> Iterator[str]:
                     f"the service exited with {process.returncode}:\n{log.read_text()[-3000:]}"
                 )
             try:
-                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

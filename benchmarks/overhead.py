@@ -175,7 +175,7 @@ class Serve:
             if self.process.poll() is not None:
                 raise RuntimeError(f"apiary serve exited:\n{self.log.read_text()[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).json().get("status") == "ok":
+                if httpx.get(f"{self.url}/readyz", timeout=2).json().get("status") == "ok":
                     return time.monotonic() - started
             except httpx.HTTPError:
                 pass

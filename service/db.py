@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,12 +13,13 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
-from service.errors import SchemaOutOfDate
+from service.errors import DatabaseUnavailable, SchemaOutOfDate, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,31 @@ class Database:
         """One unit of work: commits on success, rolls back on any error."""
         with self._sessions() as session, session.begin():
             yield session
+
+    def wait(self, timeout_s: float, *, first_delay_s: float = 0.25, max_delay_s: float = 5.0) -> None:
+        """Return once the database answers, retrying with exponential backoff for up to `timeout_s`
+        (an orchestrator may start the service before its database); then DatabaseUnavailable."""
+        deadline = time.monotonic() + timeout_s
+        delay = first_delay_s
+        while True:
+            try:
+                with self.engine.connect() as connection:
+                    connection.execute(text("SELECT 1"))
+                return
+            except DBAPIError as err:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DatabaseUnavailable(
+                        f"the database did not answer within {timeout_s:g} s: {one_line(err.orig or err)}"
+                    ) from err
+                logger.warning(
+                    "waiting for the database (%s); retrying in %.1f s",
+                    type(err.orig).__name__,
+                    min(delay, left),
+                    extra={"action": "database_wait"},
+                )
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, max_delay_s)
 
     def upgrade(self) -> None:
         upgrade(self.engine)

@@ -80,6 +80,10 @@ class SchemaOutOfDate(ApiaryError):
     """The database schema is not the one this version of Apiary needs: run `apiary db upgrade`."""
 
 
+class DatabaseUnavailable(ApiaryError):
+    """The database cannot be reached right now; try again shortly."""
+
+
 def one_line(error: BaseException | str) -> str:
     """An error's text as one line (a user reads it in a log line, a CLI message or an API field)."""
     return " ".join(str(error).split()) or (error if isinstance(error, str) else type(error).__name__)

@@ -149,6 +149,7 @@ class JobService:
                 )
                 if found is not None:
                     return self._replay(session, found, digest)
+        self._check_priority(spec)
         auth.check_priority(by, spec.priority, ceiling=self.settings.user_max_priority)
         spec = self._apply_queue(spec)
         check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
@@ -188,6 +189,14 @@ class JobService:
                     extra={"action": "idempotent_race", "job": {"id": found.job_id}},
                 )
                 return self._replay(session, found, digest)
+
+    def _check_priority(self, spec: JobSpec) -> None:
+        low, high = self.settings.priority_min, self.settings.priority_max
+        if not low <= spec.priority <= high:
+            raise InvalidSpec(
+                f"priority must be between {low} and {high} on this service, got {spec.priority}",
+                field="priority",
+            )
 
     def _replay(self, session: Session, found: IdempotencyKey, digest: str) -> Submission:
         if found.request_hash != digest:

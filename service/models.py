@@ -39,6 +39,11 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+# Ids, steps and counters are 64-bit (migration 0007): a long run passes 2**31 steps. A primary key stays
+# INTEGER on SQLite, whose INTEGER PRIMARY KEY (64-bit there anyway) is the auto-incrementing rowid.
+ID = BigInteger().with_variant(Integer, "sqlite")
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
 
@@ -60,17 +65,17 @@ def _state_enum(name: str) -> Enum:
 class Job(Base):
     __tablename__ = "jobs"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[int] = mapped_column(ID, primary_key=True)
     name: Mapped[str] = mapped_column(String(128))
     queue: Mapped[str] = mapped_column(String(32))
     priority: Mapped[int] = mapped_column(Integer, default=0)
     owner: Mapped[str] = mapped_column(String(128))
     state: Mapped[JobState] = mapped_column(_state_enum("job_state"), default=JobState.QUEUED)
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
-    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    attempt: Mapped[int] = mapped_column(BigInteger, default=0)
     ray_submission_id: Mapped[str | None] = mapped_column(String(128))
     latest_checkpoint: Mapped[str | None] = mapped_column(Text)
-    latest_checkpoint_step: Mapped[int | None] = mapped_column(Integer)
+    latest_checkpoint_step: Mapped[int | None] = mapped_column(BigInteger)
     message: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
@@ -79,23 +84,23 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # What the scheduler last decided for a waiting job (service.policy, rule 6), so that every replica
     # and a restarted service show it.
-    queue_position: Mapped[int | None] = mapped_column(Integer)
+    queue_position: Mapped[int | None] = mapped_column(BigInteger)
     waiting_reason: Mapped[str | None] = mapped_column(Text)
     eta_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # Progress of the current attempt, from the trainers' telemetry.
-    latest_step: Mapped[int | None] = mapped_column(Integer)
+    latest_step: Mapped[int | None] = mapped_column(BigInteger)
     seconds_per_step: Mapped[float | None] = mapped_column(Float)
     last_checkpoint_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # Why a job was told to checkpoint and stop (StopReason), and when: see service.states.
     stop_requested: Mapped[str | None] = mapped_column(String(16))
     stop_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    preemptions: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     # Recovery (service.states): worker-group restarts inside Ray Train (`restarts`), and every failure
     # counted against the spec's `max_failures` budget (`failures`: restarts, lost drivers, lost Ray
     # jobs, failed submissions). `segment` is the current attempt's worker-group start (the
     # TelemetryBatch segment); a larger one is a restart.
-    restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    restarts: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    failures: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     segment: Mapped[int | None] = mapped_column(BigInteger)
     # Each rank of the current worker group: its last RankStatus (service.protocol), when the service
     # heard from it (`seen`), its own work per step (`own_s`) and whether it is a straggler.
@@ -119,8 +124,8 @@ class JobEvent(Base):
 
     __tablename__ = "job_events"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    id: Mapped[int] = mapped_column(ID, primary_key=True)
+    job_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     from_state: Mapped[JobState | None] = mapped_column(_state_enum("job_event_from_state"))
     to_state: Mapped[JobState | None] = mapped_column(_state_enum("job_event_to_state"))
@@ -139,12 +144,12 @@ class Metric(Base):
 
     __tablename__ = "metrics"
 
-    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    attempt: Mapped[int] = mapped_column(Integer)
+    id: Mapped[int] = mapped_column(ID, primary_key=True)
+    job_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(BigInteger)
     segment: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
-    step: Mapped[int] = mapped_column(Integer)
-    rank: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
+    rank: Mapped[int] = mapped_column(BigInteger)
     time: Mapped[float] = mapped_column(Float)
     values: Mapped[dict[str, float]] = mapped_column(JSON)
 
@@ -160,10 +165,10 @@ class Checkpoint(Base):
 
     __tablename__ = "checkpoints"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    attempt: Mapped[int] = mapped_column(Integer)
-    step: Mapped[int] = mapped_column(Integer)
+    id: Mapped[int] = mapped_column(ID, primary_key=True)
+    job_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(BigInteger)
+    step: Mapped[int] = mapped_column(BigInteger)
     uri: Mapped[str] = mapped_column(Text)
     # Rank 0's step metrics at `step` (what keep_best ranks by); {} while not known.
     metrics: Mapped[dict[str, float]] = mapped_column(JSON)
@@ -183,7 +188,7 @@ class Checkpoint(Base):
     # Whether a retention pass has work with this row: a new checkpoint to judge, or a deletion to
     # (re)try once `retry_at` has passed. Indexed, so that a pass finds its jobs without a scan.
     retention_due: Mapped[bool] = mapped_column(Boolean, default=True, index=True)
-    delete_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    delete_attempts: Mapped[int] = mapped_column(BigInteger, default=0)
     last_error: Mapped[str | None] = mapped_column(Text)
     retry_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -230,7 +235,7 @@ class IdempotencyKey(Base):
     key: Mapped[str] = mapped_column(String(255), primary_key=True)
     # sha256 of the submitted spec (canonical JSON): the same key with another body is refused.
     request_hash: Mapped[str] = mapped_column(String(64))
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    job_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("jobs.id", ondelete="CASCADE"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
 
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.spec import GPTConfig, JobSpec
+from service.spec import MAX_INT, Float, GPTConfig, Int, JobSpec
 
 HOUR_S = 3600.0
 # A job's mean time between failures until one is observed (Settings.default_mtbf_s; the trainers'
@@ -53,54 +53,62 @@ class PlanFacts(BaseModel):
     """What the plan is computed from. Every fact is optional: a quantity whose facts are missing is
     reported as absent, with what it needs. Units are SI except where the name says otherwise."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    params: float | None = Field(default=None, gt=0, description="Model parameters, e.g. 70e9.")
-    workers: int | None = Field(default=None, ge=1, description="Data-parallel workers (ranks).")
-    batch_per_worker: int | None = Field(default=None, ge=1, description="Samples per worker per step.")
-    step_time_s: float | None = Field(
+    params: Float | None = Field(default=None, gt=0, description="Model parameters, e.g. 70e9.")
+    workers: Int | None = Field(default=None, le=MAX_INT, ge=1, description="Data-parallel workers (ranks).")
+    batch_per_worker: Int | None = Field(
+        default=None, le=MAX_INT, ge=1, description="Samples per worker per step."
+    )
+    step_time_s: Float | None = Field(
         default=None, gt=0, description="Time of one step's compute (a measured step: the whole step)."
     )
-    steps: int | None = Field(default=None, ge=1, description="Steps of the run (the spec's max_steps).")
-    grad_bytes_per_worker: float | None = Field(
+    steps: Int | None = Field(
+        default=None, le=MAX_INT, ge=1, description="Steps of the run (the spec's max_steps)."
+    )
+    grad_bytes_per_worker: Float | None = Field(
         default=None,
         ge=0,
         description="Bytes each worker moves per step; default params x gradient bytes x 2(N-1)/N.",
     )
-    link_bytes_per_s: float | None = Field(
+    link_bytes_per_s: Float | None = Field(
         default=None, gt=0, description="Bandwidth of the slowest link the all-reduce crosses."
     )
     precision: Precision = Field(default="fp32", description="Training precision: fp32, bf16 or fp16.")
     optimizer: Optimizer = Field(default="adam", description="adam (2 fp32 moments) or sgd (momentum).")
-    ckpt_bytes: float | None = Field(
+    ckpt_bytes: Float | None = Field(
         default=None, gt=0, description="Size of one checkpoint; default from params and optimizer."
     )
-    storage_bytes_per_s: float | None = Field(
+    storage_bytes_per_s: Float | None = Field(
         default=None, gt=0, description="Write bandwidth to checkpoint storage."
     )
-    ckpt_write_s: float | None = Field(
+    ckpt_write_s: Float | None = Field(
         default=None, gt=0, description="A measured save time, instead of size over bandwidth."
     )
-    ckpt_every_steps: int | None = Field(default=None, ge=1, description="Checkpoint every K steps.")
-    ckpt_every_s: float | None = Field(default=None, gt=0, description="Checkpoint every S seconds.")
-    mtbf_s: float | None = Field(default=None, gt=0, description="Mean time between failures of the job.")
-    restart_s: float | None = Field(
+    ckpt_every_steps: Int | None = Field(
+        default=None, le=MAX_INT, ge=1, description="Checkpoint every K steps."
+    )
+    ckpt_every_s: Float | None = Field(default=None, gt=0, description="Checkpoint every S seconds.")
+    mtbf_s: Float | None = Field(default=None, gt=0, description="Mean time between failures of the job.")
+    restart_s: Float | None = Field(
         default=None, ge=0, description="Time from a failure to training again (before lost work)."
     )
-    gpus_per_worker: float = Field(default=1.0, gt=0, description="GPUs each worker holds.")
-    price_per_gpu_h_usd: float | None = Field(
+    gpus_per_worker: Float = Field(default=1.0, gt=0, description="GPUs each worker holds.")
+    price_per_gpu_h_usd: Float | None = Field(
         default=None, ge=0, description="On-demand price of a GPU-hour."
     )
-    spot_discount: float | None = Field(
+    spot_discount: Float | None = Field(
         default=None, ge=0, lt=1, description="Fraction off the on-demand price for spot capacity."
     )
-    spot_preemptions_per_h: float | None = Field(
+    spot_preemptions_per_h: Float | None = Field(
         default=None, ge=0, description="Spot preemptions per hour of the whole job."
     )
-    hours: float | None = Field(
+    hours: Float | None = Field(
         default=None, gt=0, description="Wall hours of work to price; default steps x step time."
     )
-    nodes: int | None = Field(default=None, ge=1, description="Nodes of the cluster (shown, not used).")
+    nodes: Int | None = Field(
+        default=None, le=MAX_INT, ge=1, description="Nodes of the cluster (shown, not used)."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -33,10 +33,11 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from service.spec import JobSpec, Strict
+from service.spec import MAX_INT, MAX_URI_CHARS, NO_NUL, Bool, Float, Int, JobSpec, Strict
 
 LAUNCH_ENV_VAR = "APIARY_LAUNCH"
 LAUNCH_MODULE = "trainers.launch"
@@ -44,28 +45,33 @@ ERROR_PREFIX = "apiary-error:"
 RETRY_PREFIX = "apiary-retry:"
 # A reason is one line in a log and in the job's API record, not a traceback.
 MAX_REASON_CHARS = 500
+# Bounds of one telemetry post (trainers.telemetry reads them from the schema, and flushes sooner).
+MAX_POINTS_PER_POST = 1000
+MAX_VALUES_PER_POINT = 256
+MAX_METRIC_NAME_CHARS = 128
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_.]*(Error|Exception)\b.*:")
 
 
 class LaunchRequest(Strict):
     """What the service tells `python -m trainers.launch` about one attempt of a job."""
 
-    job_id: int
-    attempt: int = Field(ge=1)
+    job_id: Int = Field(le=MAX_INT)
+    attempt: Int = Field(le=MAX_INT, ge=1)
     submission_id: str | None = Field(default=None, description="This attempt's Ray job.")
     spec: JobSpec
     storage_uri: str = Field(description="Root for checkpoints; the run lives at {storage_uri}/{run_name}.")
     run_name: str
     telemetry_url: str | None = Field(description="POST target for TelemetryBatch; None = log only.")
-    data_cpus: float = Field(default=1.0, gt=0, description="CPU budget of the job's Ray Data tasks.")
-    failures_left: int | None = Field(
+    data_cpus: Float = Field(default=1.0, gt=0, description="CPU budget of the job's Ray Data tasks.")
+    failures_left: Int | None = Field(
         default=None,
+        le=MAX_INT,
         ge=0,
         description="Worker-group restarts this attempt may take (Ray Train's max_failures): what is "
         "left of the spec's max_failures after the job's earlier failures; None = all of it.",
     )
     s3_endpoint_url: str | None = None
-    mtbf_s: float | None = Field(
+    mtbf_s: Float | None = Field(
         default=None,
         gt=0,
         description="checkpoint.auto: the job's mean time between failures (service.planning); None = "
@@ -116,17 +122,28 @@ def launch_env(pointer: LaunchPointer) -> dict[str, str]:
 
 
 class MetricPoint(Strict):
-    step: int = Field(ge=0)
-    rank: int = Field(ge=0)
-    time: float = Field(description="Unix time in seconds.")
-    values: dict[str, float]
+    step: Int = Field(le=MAX_INT, ge=0)
+    rank: Int = Field(le=MAX_INT, ge=0)
+    time: Float = Field(description="Unix time in seconds.")
+    values: dict[str, Float] = Field(
+        max_length=MAX_VALUES_PER_POINT,
+        json_schema_extra={"propertyNames": {"maxLength": MAX_METRIC_NAME_CHARS}},
+    )
+
+    @field_validator("values")
+    @classmethod
+    def _names(cls, values: dict[str, float]) -> dict[str, float]:
+        long = next((name for name in values if len(name) > MAX_METRIC_NAME_CHARS), None)
+        if long is not None:
+            raise ValueError(f"a metric name is at most {MAX_METRIC_NAME_CHARS} characters: {long[:80]!r}...")
+        return values
 
 
 class CheckpointRecord(Strict):
     """A checkpoint that is complete in storage: its step and its URI (file:// or s3://)."""
 
-    step: int = Field(ge=0)
-    uri: str
+    step: Int = Field(le=MAX_INT, ge=0)
+    uri: str = Field(max_length=MAX_URI_CHARS, pattern=NO_NUL)
 
 
 # The event a worker group's rank 0 posts when it starts (its step: the step it resumed from).
@@ -141,11 +158,15 @@ class TrainerEvent(Strict):
     """
 
     kind: str = Field(pattern=r"^[a-z][a-z_]{0,31}$")
-    step: int = Field(ge=0, description="The step it happened at (for group_started: resumed from).")
-    rank: int = Field(ge=0)
-    time: float = Field(description="Unix time in seconds.")
-    message: str = Field(max_length=MAX_REASON_CHARS)
-    data: dict[str, float | int | str] = Field(default_factory=dict)
+    step: Int = Field(
+        le=MAX_INT, ge=0, description="The step it happened at (for group_started: resumed from)."
+    )
+    rank: Int = Field(le=MAX_INT, ge=0)
+    time: Float = Field(description="Unix time in seconds.")
+    message: str = Field(max_length=MAX_REASON_CHARS, pattern=NO_NUL)
+    data: dict[str, Int | Float | Annotated[str, Field(max_length=MAX_REASON_CHARS, pattern=NO_NUL)]] = Field(
+        default_factory=dict, max_length=32
+    )
 
 
 # The error name of a 403 reply to telemetry: the attempt was given up (api.errors, trainers.telemetry).
@@ -159,41 +180,42 @@ HEARTBEAT_S = 5.0
 class RankStatus(Strict):
     """What one rank is doing, sent with every post: how the service finds hangs and stragglers."""
 
-    rank: int = Field(ge=0)
-    step: int = Field(ge=0, description="The last step this rank completed.")
-    step_at: float | None = Field(description="When it completed it (Unix seconds); None before step 1.")
+    rank: Int = Field(le=MAX_INT, ge=0)
+    step: Int = Field(le=MAX_INT, ge=0, description="The last step this rank completed.")
+    step_at: Float | None = Field(description="When it completed it (Unix seconds); None before step 1.")
     phase: str = Field(
         pattern=r"^[a-z_]{1,16}$",
         description="starting | data (waiting for its next batch) | compute (forward and backward, "
         "which includes DDP's gradient all-reduce) | sync (the step's collective) | checkpoint | done",
     )
-    phase_since: float = Field(description="When it entered `phase` (Unix seconds).")
-    node: str = Field(max_length=128, description="The node it runs on (IP and Ray node id).")
-    pid: int
+    phase_since: Float = Field(description="When it entered `phase` (Unix seconds).")
+    node: str = Field(max_length=128, pattern=NO_NUL, description="The node it runs on (IP and Ray node id).")
+    pid: Int = Field(le=MAX_INT)
 
 
 class TelemetryBatch(Strict):
     """One post from a trainer rank to the control plane."""
 
-    attempt: int = Field(ge=1)
-    segment: int = Field(
+    attempt: Int = Field(le=MAX_INT, ge=1)
+    segment: Int = Field(
         default=0,
+        le=MAX_INT,
         ge=0,
         description="Which start of the worker group within the attempt sent it: rank 0's start time "
         "in milliseconds, shared by every rank, so a later restart has a larger one; 0 = not known "
         "(a custom trainer). Ray Train restarts a group from its latest checkpoint, so steps repeat: "
         "(attempt, segment) tells the replayed points from the abandoned ones.",
     )
-    points: list[MetricPoint] = Field(default_factory=list, max_length=10_000)
+    points: list[MetricPoint] = Field(default_factory=list, max_length=MAX_POINTS_PER_POST)
     checkpoint: CheckpointRecord | None = None
     events: list[TrainerEvent] = Field(default_factory=list, max_length=100)
     status: RankStatus | None = None
 
 
 class TelemetryReply(Strict):
-    stored: int = Field(description="Metric points taken (a re-posted point is stored once).")
-    stop: bool = Field(default=False, description="Checkpoint at the next step and exit: preempted.")
-    superseded: bool = Field(
+    stored: Int = Field(le=MAX_INT, description="Metric points taken (a re-posted point is stored once).")
+    stop: Bool = Field(default=False, description="Checkpoint at the next step and exit: preempted.")
+    superseded: Bool = Field(
         default=False,
         description="This attempt was given up (the job was recovered as a newer one): exit at once, "
         "without a checkpoint, so that it never writes beside the new attempt.",

@@ -18,8 +18,8 @@ logger = logging.getLogger(__name__)
 
 
 class Runtime:
-    """Start order: database (migrated; only checked with `migrate_on_start` off) → Ray (local or
-    `ray_address`) → scheduler loop.
+    """Start order: database (waited for, then migrated; only checked with `migrate_on_start` off) →
+    Ray (local or `ray_address`) → scheduler loop.
 
     A local Ray that this service started and that dies is started again (`local_ray_check_s`): its
     jobs' Ray jobs are gone with it, and the scheduler recovers them from their checkpoints on the
@@ -61,6 +61,7 @@ class Runtime:
         self.settings.queues  # noqa: B018 (a bad APIARY_QUEUES_FILE fails here, before anything starts)
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.db = Database(self.settings.resolved_database_url)
+        self.db.wait(self.settings.database_wait_s)
         if self.settings.migrate_on_start:
             self.db.upgrade()
         else:  # a deployment's own step (`apiary db upgrade`) migrated, or must have

@@ -45,12 +45,13 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, object_session
 
 from service import repository
 from service.cluster import ClusterBackend, RayJobStatus, stop_job, submission_prefix
 from service.db import Database
-from service.errors import ClusterUnavailable
+from service.errors import ClusterUnavailable, one_line
 from service.handoff import Handoff, new_token, run_name, token_hash, write_handoff
 from service.jobs import gang_for
 from service.models import Job
@@ -181,6 +182,14 @@ class Scheduler:
                 self.tick()
             except ClusterUnavailable as err:
                 logger.warning("scheduler tick skipped: %s", err, extra={"action": "tick_skipped"})
+            except (OperationalError, InterfaceError) as err:
+                # The database is away: every change is one transaction, so nothing half-done is left,
+                # and the next pass after it returns takes up where this one could not.
+                logger.warning(
+                    "scheduler tick skipped: the database is unavailable (%s)",
+                    one_line(err.orig or err),
+                    extra={"action": "tick_skipped"},
+                )
             except Exception:
                 logger.exception("scheduler tick failed", extra={"action": "tick_failed"})
             self._wake.wait(self.settings.scheduler_interval_s)

@@ -8,12 +8,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service import queues
 from service.planner import DEFAULT_MTBF_S
 from service.queues import QueuesConfig
+from service.spec import MAX_PRIORITY
 
 # Docker's and Kubernetes' secret files: a file named like the variable (`apiary_database_url`,
 # `apiary_ray_auth_token`, `aws_secret_access_key`) holds its value; an environment variable wins.
@@ -34,6 +35,12 @@ class Settings(BaseSettings):
 
     data_dir: Path = Field(default=Path("./.apiary"), description="Everything local Apiary writes.")
     database_url: str | None = Field(default=None, description="Default: sqlite:///{data_dir}/apiary.db")
+    database_wait_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="At start, how long to wait for the database to answer (retrying with backoff) "
+        "before giving up: an orchestrator may start the service before its database.",
+    )
     ray_address: str | None = Field(
         default=None,
         description="Dashboard URL (http://host:8265) of an existing Ray cluster; default: a local one.",
@@ -185,6 +192,27 @@ class Settings(BaseSettings):
         description="Debugging aid: every job's ranks append the sample ids of each step under this "
         "folder (one it can write on every node), as {data_trace_dir}/job-<id>/rank-<r>.jsonl.",
     )
+
+    priority_min: int = Field(
+        default=-MAX_PRIORITY,
+        ge=-MAX_PRIORITY,
+        le=MAX_PRIORITY,
+        description="The lowest priority a job may ask for (the spec's own range is -100..100).",
+    )
+    priority_max: int = Field(
+        default=MAX_PRIORITY,
+        ge=-MAX_PRIORITY,
+        le=MAX_PRIORITY,
+        description="The highest priority a job may ask for.",
+    )
+
+    @model_validator(mode="after")
+    def _priority_range(self) -> Settings:
+        if self.priority_min > self.priority_max:
+            raise ValueError(
+                f"priority_min ({self.priority_min}) must be <= priority_max ({self.priority_max})"
+            )
+        return self
 
     @field_validator("data_dir")
     @classmethod

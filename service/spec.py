@@ -9,6 +9,7 @@ implementation.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from enum import StrEnum
@@ -17,6 +18,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     TypeAdapter,
@@ -24,12 +26,43 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic import (
+    Strict as StrictType,
+)
+from pydantic_core import PydanticCustomError
 
 MAX_WORKERS = 1024
 MAX_PRIORITY = 100
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_RESOURCE = re.compile(r"^[A-Za-z_][A-Za-z0-9_:.-]{0,63}$")
+# The largest integer the API takes anywhere (ids, steps, counts): every JSON client reads it exactly
+# (a double's 53 bits), and it fits the database's 64-bit columns.
+MAX_INT = 2**53 - 1
+MAX_CONFIG_BYTES = 64 * 1024
+MAX_URI_CHARS = 4096
+# Text that is stored: PostgreSQL's text cannot hold a NUL character.
+NO_NUL = r"^[^\x00]*$"
+# Matched whole (`fullmatch`); the same patterns are in the OpenAPI schema, so that a client generating
+# specs from it and the server agree.
+_IMPORT_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_RESOURCE = re.compile(r"[A-Za-z_][A-Za-z0-9_:.-]{0,63}")
+MAX_TRAINER_CHARS = 256
+MAX_RESOURCES = 32
+
+
+def _number(value: Any) -> Any:
+    """No `false` for a step and no "1" for a count: JSON has one number type (3.0 is the integer 3, as
+    in JSON Schema), and neither a boolean nor a string is one. Non-finite floats: see `Strict`."""
+    if isinstance(value, bool | str | bytes):
+        raise PydanticCustomError(
+            "number_type", "Input should be a number, not {kind}", {"kind": type(value).__name__}
+        )
+    return value
+
+
+# Bounded by each field (`le=MAX_INT` where nothing smaller applies): a bound here would override theirs.
+Int = Annotated[int, BeforeValidator(_number)]
+Float = Annotated[float, BeforeValidator(_number)]
+Bool = Annotated[bool, StrictType()]
 
 
 class Queue(StrEnum):
@@ -56,17 +89,21 @@ class DataFormat(StrEnum):
 
 
 class Strict(BaseModel):
-    """Unknown fields are an error, and a validated value never changes."""
+    """Unknown fields are an error, NaN and infinity too, and a validated value never changes."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class DatasetSpec(Strict):
-    uri: str = Field(description="Folder or file of shards: file:///abs/path or s3://bucket/prefix.")
+    uri: str = Field(
+        max_length=MAX_URI_CHARS,
+        description="Folder or file of shards: file:///abs/path or s3://bucket/prefix.",
+        json_schema_extra={"pattern": "^(file:///|s3://)[^\\x00]*$"},
+    )
     format: DataFormat = DataFormat.PARQUET
-    shuffle: bool = Field(default=True, description="Shuffle shards and samples by (seed, epoch).")
-    shuffle_buffer_rows: int = Field(
-        default=1024, ge=1, description="Samples are shuffled within a window of this many rows."
+    shuffle: Bool = Field(default=True, description="Shuffle shards and samples by (seed, epoch).")
+    shuffle_buffer_rows: Int = Field(
+        default=1024, le=MAX_INT, ge=1, description="Samples are shuffled within a window of this many rows."
     )
 
     @field_validator("uri")
@@ -74,6 +111,8 @@ class DatasetSpec(Strict):
     def _known_scheme(cls, uri: str) -> str:
         if not uri.startswith(("file:///", "s3://")):
             raise ValueError("must start with file:/// (an absolute local path) or s3://")
+        if "\x00" in uri:
+            raise ValueError("must not contain a NUL character")
         return uri
 
 
@@ -86,7 +125,7 @@ class KeepBest(Strict):
         description="A metric the trainers report with each step, e.g. 'loss' (built-ins: trainers.loop).",
     )
     mode: Literal["min", "max"] = Field(description="min: lower is better (loss); max: higher is.")
-    count: int = Field(default=1, ge=1, le=1000)
+    count: Int = Field(default=1, ge=1, le=1000)
 
 
 class CheckpointSpec(Strict):
@@ -98,14 +137,17 @@ class CheckpointSpec(Strict):
     """
 
     # `async` is a Python keyword: the attribute is `async_`, the spec (JSON/YAML) field is "async".
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True, serialize_by_alias=True
+    )
 
-    every_steps: int | None = Field(
+    every_steps: Int | None = Field(
         default=None,
+        le=MAX_INT,
         ge=1,
         description="Save a checkpoint every N steps; a final one is always saved at max_steps.",
     )
-    keep_last: int = Field(
+    keep_last: Int = Field(
         default=3,
         ge=1,
         le=1000,
@@ -115,18 +157,18 @@ class CheckpointSpec(Strict):
     keep_best: KeepBest | None = Field(
         default=None, description="Also keep the best checkpoints by a step metric, e.g. {metric: loss}."
     )
-    every_s: float | None = Field(
+    every_s: Float | None = Field(
         default=None,
         gt=0,
         description="Save a checkpoint when this many seconds have passed since the last one.",
     )
-    async_: bool = Field(
+    async_: Bool = Field(
         default=True,
         alias="async",
         description="Copy the state to host memory at the step and write it in the background while "
         "training goes on (at most one write in flight); false writes it before the next step.",
     )
-    auto: bool = Field(
+    auto: Bool = Field(
         default=False,
         description="Choose the time between checkpoints: Daly's optimum (service.planner) for the save "
         "time the trainers measure (the first save comes after the first step) and the mean time between "
@@ -152,21 +194,22 @@ class AnomalyAction(StrEnum):
 class AnomalySpec(Strict):
     """When a step's numerics count as an anomaly, and how often a run may roll back."""
 
-    zscore: float = Field(
+    zscore: Float = Field(
         default=6.0,
         gt=0,
         description="A gradient norm this many standard deviations above the mean of the recent window "
         "is a spike. NaN or infinite loss or gradient norm is always an anomaly.",
     )
-    window: int = Field(
+    window: Int = Field(
         default=50, ge=2, le=10_000, description="Recent normal steps whose gradient norms the z-score uses."
     )
-    min_steps: int = Field(
+    min_steps: Int = Field(
         default=20,
+        le=MAX_INT,
         ge=2,
         description="Normal steps in the window before spikes are looked for (at most `window`).",
     )
-    max_rollbacks: int = Field(
+    max_rollbacks: Int = Field(
         default=3,
         ge=0,
         le=100,
@@ -214,7 +257,7 @@ class GPTConfig(Strict):
 BUILTIN_CONFIGS: dict[str, type[BaseModel]] = {"mlp": MLPConfig, "gpt": GPTConfig}
 BUILTIN_TRAINERS = tuple(BUILTIN_CONFIGS)
 
-_WORKER_COUNT: TypeAdapter[int] = TypeAdapter(Annotated[int, Field(ge=1, le=MAX_WORKERS)])
+_WORKER_COUNT: TypeAdapter[int] = TypeAdapter(Annotated[Int, Field(ge=1, le=MAX_WORKERS)])
 
 
 class ElasticWorkers(Strict):
@@ -226,8 +269,8 @@ class ElasticWorkers(Strict):
     follows the group's size.
     """
 
-    min: int = Field(ge=1, le=MAX_WORKERS)
-    max: int = Field(ge=1, le=MAX_WORKERS)
+    min: Int = Field(ge=1, le=MAX_WORKERS)
+    max: Int = Field(ge=1, le=MAX_WORKERS)
 
     @model_validator(mode="after")
     def _ordered(self) -> ElasticWorkers:
@@ -261,16 +304,32 @@ class FsdpSpec(Strict):
 class JobSpec(Strict):
     """A distributed training job, as a user submits it (JSON or YAML)."""
 
-    name: str = Field(description="Human name; letters, digits, '.', '_', '-'.")
+    name: str = Field(
+        description="Human name; letters, digits, '.', '_', '-'.",
+        json_schema_extra={"pattern": f"^{_NAME.pattern}$"},
+    )
     queue: Queue = Queue.RESEARCH
-    priority: int = Field(
+    priority: Int = Field(
         default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="Higher wins within a queue (-100..100)."
     )
-    trainer: str = Field(description="'mlp', 'gpt', or an importable 'package.module:function'.")
-    num_workers: int | ElasticWorkers = Field(
+    trainer: str = Field(
+        max_length=MAX_TRAINER_CHARS,
+        description="'mlp', 'gpt', or an importable 'package.module:function'.",
+        json_schema_extra={"pattern": f"^({'|'.join(BUILTIN_TRAINERS)}|{_IMPORT_PATH.pattern})$"},
+    )
+    num_workers: Int | ElasticWorkers = Field(
         description="Workers of the group: a number, or {min, max} for elastic training (see ElasticWorkers)."
     )
-    resources_per_worker: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+    resources_per_worker: dict[str, Float] = Field(
+        default_factory=lambda: {"CPU": 1.0},
+        description="Ray resources of each worker (e.g. CPU, GPU, memory); at least one > 0.",
+        json_schema_extra={
+            "propertyNames": {"pattern": f"^{_RESOURCE.pattern}$"},
+            "additionalProperties": {"type": "number", "minimum": 0},
+            "minProperties": 1,
+            "maxProperties": MAX_RESOURCES,
+        },
+    )
     placement: Placement = Field(
         default=Placement.PACK,
         description="pack | spread | strict_spread (each worker on its own node): Ray Train's "
@@ -284,11 +343,11 @@ class JobSpec(Strict):
         "parameters for compute, fp32 gradient reduction and fp32 sharded parameters and optimizer state).",
     )
     dataset: DatasetSpec
-    max_steps: int = Field(ge=1)
-    batch_size: int = Field(ge=1, description="Samples per worker per step.")
-    seed: int = Field(default=0, ge=0)
+    max_steps: Int = Field(le=MAX_INT, ge=1)
+    batch_size: Int = Field(le=MAX_INT, ge=1, description="Samples per worker per step.")
+    seed: Int = Field(default=0, le=MAX_INT, ge=0)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    max_failures: int = Field(default=0, ge=0, le=100)
+    max_failures: Int = Field(default=0, ge=0, le=100)
     on_anomaly: AnomalyAction = Field(
         default=AnomalyAction.ROLLBACK,
         description="Built-in trainers, on a NaN/inf loss or gradient norm or a gradient-norm spike: "
@@ -296,19 +355,23 @@ class JobSpec(Strict):
         "the offending batch, at most anomaly.max_rollbacks times, then stops; 'warn' records it.",
     )
     anomaly: AnomalySpec = Field(default_factory=AnomalySpec)
-    max_runtime_s: float | None = Field(
+    max_runtime_s: Float | None = Field(
         default=None,
         gt=0,
         le=366 * 86_400,
         description="Stopped with a checkpoint after running this long; a research job without one gets "
         "its queue's default. The scheduler lets a job with one start in gaps that end before a reservation.",
     )
-    config: dict[str, Any] = Field(default_factory=dict)
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description=f"The trainer's hyperparameters (built-ins: MLPConfig, GPTConfig); at most "
+        f"{MAX_CONFIG_BYTES // 1024} KiB as JSON, finite numbers only.",
+    )
 
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             raise ValueError(
                 "1-128 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
             )
@@ -317,7 +380,7 @@ class JobSpec(Strict):
     @field_validator("trainer")
     @classmethod
     def _trainer(cls, trainer: str) -> str:
-        if trainer not in BUILTIN_TRAINERS and not _IMPORT_PATH.match(trainer):
+        if trainer not in BUILTIN_TRAINERS and not _IMPORT_PATH.fullmatch(trainer):
             raise ValueError(f"must be one of {', '.join(BUILTIN_TRAINERS)} or 'package.module:function'")
         return trainer
 
@@ -335,8 +398,10 @@ class JobSpec(Strict):
     @field_validator("resources_per_worker")
     @classmethod
     def _resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        if len(resources) > MAX_RESOURCES:
+            raise ValueError(f"at most {MAX_RESOURCES} resources, got {len(resources)}")
         for key, amount in resources.items():
-            if not _RESOURCE.match(key):
+            if not _RESOURCE.fullmatch(key):
                 raise ValueError(f"{key!r} is not a resource name")
             if amount < 0:
                 raise ValueError(f"{key} must be >= 0, got {amount}")
@@ -347,6 +412,12 @@ class JobSpec(Strict):
     @field_validator("config")
     @classmethod
     def _config(cls, config: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        try:
+            size = len(json.dumps(config, allow_nan=False))
+        except (TypeError, ValueError):
+            raise ValueError("must be JSON with finite numbers (no NaN or Infinity)") from None
+        if size > MAX_CONFIG_BYTES:
+            raise ValueError(f"must be at most {MAX_CONFIG_BYTES} bytes as JSON, got {size}")
         schema = BUILTIN_CONFIGS.get(info.data.get("trainer", ""))
         if schema is None:
             return config

@@ -7,7 +7,8 @@ from __future__ import annotations
 from fastapi import APIRouter, status
 
 from api.deps import ADMIN_RESPONSES, AuthDep, CurrentUser
-from api.schemas import TokenCreate, TokenCreated, TokenPublic, TokensPublic, UserPublic
+from api.limits import TokenId
+from api.schemas import TokenCreate, TokenCreated, TokenPublic, TokensPublic, UserPublic, error_responses
 from service import auth as access
 
 router = APIRouter(tags=["auth"])
@@ -23,7 +24,7 @@ def whoami(user: CurrentUser) -> UserPublic:
     "/admin/tokens",
     status_code=status.HTTP_201_CREATED,
     response_model=TokenCreated,
-    responses=ADMIN_RESPONSES,
+    responses={**ADMIN_RESPONSES, **error_responses(400, 422)},
 )
 def create_token(request: TokenCreate, auth: AuthDep, user: CurrentUser) -> TokenCreated:
     """Issue a token for `user` (an admin's if `admin`). Its secret is in this answer only: the
@@ -44,9 +45,9 @@ def list_tokens(auth: AuthDep, user: CurrentUser) -> TokensPublic:
 @router.delete(
     "/admin/tokens/{token_id}",
     response_model=TokenPublic,
-    responses={**ADMIN_RESPONSES, 404: {"description": "No token has this id."}},
+    responses={**ADMIN_RESPONSES, **error_responses(404, 422)},
 )
-def revoke_token(token_id: int, auth: AuthDep, user: CurrentUser) -> TokenPublic:
+def revoke_token(token_id: TokenId, auth: AuthDep, user: CurrentUser) -> TokenPublic:
     """Revoke a token: it stops working at once (revoking twice is no error)."""
     access.require_admin(user, action="revoke API tokens")
     return TokenPublic.build(auth.revoke_token(token_id))

@@ -7,6 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Header, status
 
 from api.deps import JobsDep
+from api.limits import JobId
+from api.schemas import error_responses
 from service.protocol import TelemetryBatch, TelemetryReply
 
 router = APIRouter(prefix="/internal", tags=["internal"])
@@ -17,9 +19,14 @@ def _bearer(authorization: str | None) -> str | None:
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
-@router.post("/jobs/{job_id}/telemetry", status_code=status.HTTP_202_ACCEPTED, response_model=TelemetryReply)
+@router.post(
+    "/jobs/{job_id}/telemetry",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=TelemetryReply,
+    responses=error_responses(400, 401, 403, 404, 422),
+)
 def post_telemetry(
-    job_id: int,
+    job_id: JobId,
     batch: TelemetryBatch,
     jobs: JobsDep,
     authorization: Annotated[str | None, Header(max_length=256)] = None,

@@ -7,9 +7,11 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Header, Query, Response, status
 
 from api.deps import ADMIN_RESPONSES, OWNER_RESPONSES, CurrentUser, JobsDep, SchedulerDep
+from api.limits import JobId
 from api.schemas import (
     CheckpointPublic,
     CheckpointsPublic,
+    ErrorPublic,
     EventPublic,
     EventsPublic,
     JobPublic,
@@ -17,8 +19,9 @@ from api.schemas import (
     JobUpdate,
     MetricPublic,
     MetricsPublic,
+    error_responses,
 )
-from service.spec import JobSpec
+from service.spec import MAX_INT, JobSpec
 from service.states import JobState
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -30,8 +33,8 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
     response_model=JobPublic,
     responses={
         200: {"model": JobPublic, "description": "A repeat of an earlier request's Idempotency-Key."},
-        403: {"description": "A priority above the non-admin ceiling (APIARY_USER_MAX_PRIORITY)."},
-        409: {"description": "The Idempotency-Key was used for a different spec."},
+        **error_responses(400, 403, 422),
+        409: {"model": ErrorPublic, "description": "The Idempotency-Key was used for a different spec."},
     },
 )
 def submit_job(
@@ -64,30 +67,30 @@ def submit_job(
     return JobPublic.build(submission.job)
 
 
-@router.get("", response_model=JobsPublic)
+@router.get("", response_model=JobsPublic, responses=error_responses(422))
 def list_jobs(
     jobs: JobsDep,
     state: Annotated[list[JobState] | None, Query(description="Repeat to match several states.")] = None,
     queue: Annotated[str | None, Query()] = None,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> JobsPublic:
     found, count = jobs.list_jobs(states=state or (), queue=queue, offset=offset, limit=limit)
     return JobsPublic(data=[JobPublic.build(job) for job in found], count=count)
 
 
-@router.get("/{job_id}", response_model=JobPublic)
-def get_job(job_id: int, jobs: JobsDep) -> JobPublic:
+@router.get("/{job_id}", response_model=JobPublic, responses=error_responses(404, 422))
+def get_job(job_id: JobId, jobs: JobsDep) -> JobPublic:
     return JobPublic.build(jobs.get_job(job_id))
 
 
 @router.patch(
     "/{job_id}",
     response_model=JobPublic,
-    responses={**ADMIN_RESPONSES, 409: {"description": "The job ended, or runs (a queue change)."}},
+    responses={**ADMIN_RESPONSES, **error_responses(400, 404, 409, 422)},
 )
 def update_job(
-    job_id: int, update: JobUpdate, jobs: JobsDep, scheduler: SchedulerDep, user: CurrentUser
+    job_id: JobId, update: JobUpdate, jobs: JobsDep, scheduler: SchedulerDep, user: CurrentUser
 ) -> JobPublic:
     """Change a job's priority (until it ends) or move a queued job to another queue (admins only).
     The new queue's limits apply as at submission (422 naming the field)."""
@@ -99,9 +102,9 @@ def update_job(
 @router.post(
     "/{job_id}/cancel",
     response_model=JobPublic,
-    responses={**OWNER_RESPONSES, 409: {"description": "The job already ended."}},
+    responses={**OWNER_RESPONSES, **error_responses(404, 409, 422)},
 )
-def cancel_job(job_id: int, jobs: JobsDep, user: CurrentUser) -> JobPublic:
+def cancel_job(job_id: JobId, jobs: JobsDep, user: CurrentUser) -> JobPublic:
     """Cancel a queued or running job (a running one's Ray job is stopped): its owner or an admin.
     409 if it already ended."""
     return JobPublic.build(jobs.cancel(job_id, by=user))
@@ -110,9 +113,9 @@ def cancel_job(job_id: int, jobs: JobsDep, user: CurrentUser) -> JobPublic:
 @router.post(
     "/{job_id}/preempt",
     response_model=JobPublic,
-    responses={**OWNER_RESPONSES, 409: {"description": "The job is not running."}},
+    responses={**OWNER_RESPONSES, **error_responses(404, 409, 422)},
 )
-def preempt_job(job_id: int, jobs: JobsDep, scheduler: SchedulerDep, user: CurrentUser) -> JobPublic:
+def preempt_job(job_id: JobId, jobs: JobsDep, scheduler: SchedulerDep, user: CurrentUser) -> JobPublic:
     """Checkpoint a running job and put it back in its queue, in its place (it resumes from that
     checkpoint when admitted again): its owner or an admin. 409 unless it is running."""
     job = jobs.preempt(job_id, by=user)
@@ -120,19 +123,19 @@ def preempt_job(job_id: int, jobs: JobsDep, scheduler: SchedulerDep, user: Curre
     return JobPublic.build(job)
 
 
-@router.get("/{job_id}/events", response_model=EventsPublic)
-def list_events(job_id: int, jobs: JobsDep) -> EventsPublic:
+@router.get("/{job_id}/events", response_model=EventsPublic, responses=error_responses(404, 422))
+def list_events(job_id: JobId, jobs: JobsDep) -> EventsPublic:
     events = jobs.list_events(job_id)
     return EventsPublic(data=[EventPublic.build(event) for event in events], count=len(events))
 
 
-@router.get("/{job_id}/metrics", response_model=MetricsPublic)
+@router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=error_responses(404, 422))
 def list_metrics(
-    job_id: int,
+    job_id: JobId,
     jobs: JobsDep,
-    rank: Annotated[int | None, Query(ge=0)] = None,
-    min_step: Annotated[int | None, Query(ge=0)] = None,
-    max_step: Annotated[int | None, Query(ge=0)] = None,
+    rank: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
+    min_step: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
+    max_step: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
     segments: Annotated[
         Literal["counted", "all"],
@@ -143,7 +146,7 @@ def list_metrics(
         ),
     ] = "counted",
     every: Annotated[
-        int | None, Query(ge=1, description="Keep only the steps that are multiples of N.")
+        int | None, Query(ge=1, le=MAX_INT, description="Keep only the steps that are multiples of N.")
     ] = None,
     points: Annotated[
         int | None,
@@ -169,8 +172,8 @@ def list_metrics(
     return MetricsPublic(data=[MetricPublic.build(point) for point in found], count=len(found))
 
 
-@router.get("/{job_id}/checkpoints", response_model=CheckpointsPublic)
-def list_checkpoints(job_id: int, jobs: JobsDep) -> CheckpointsPublic:
+@router.get("/{job_id}/checkpoints", response_model=CheckpointsPublic, responses=error_responses(404, 422))
+def list_checkpoints(job_id: JobId, jobs: JobsDep) -> CheckpointsPublic:
     """Every checkpoint the job reported, by step, with its retention state (kept, deleting, deleted)
     and rank 0's step metrics; the job's `latest_checkpoint` is always kept."""
     checkpoints = jobs.list_checkpoints(job_id)

@@ -9,6 +9,9 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.responses import Response
 
 from api.deps import JobsDep
+from api.limits import JobId
+from api.schemas import error_responses
+from service.spec import MAX_INT
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -20,17 +23,16 @@ FOLLOW_POLL_S = 1.0
     response_class=PlainTextResponse,
     responses={
         200: {"content": {"text/plain": {}}, "description": "The log (X-Apiary-Attempt: its attempt)."},
-        404: {"description": "No such job, attempt, or Ray has forgotten that attempt's logs."},
-        409: {"description": "The job has not started yet."},
+        **error_responses(404, 409, 422),
     },
 )
 def job_logs(
-    job_id: int,
+    job_id: JobId,
     jobs: JobsDep,
     attempt: Annotated[
-        int | None, Query(ge=1, description="Which attempt (1 = the first); default the latest.")
+        int | None, Query(ge=1, le=MAX_INT, description="Which attempt (1 = the first); default the latest.")
     ] = None,
-    tail: Annotated[int | None, Query(ge=0, description="Only the last N lines.")] = None,
+    tail: Annotated[int | None, Query(ge=0, le=MAX_INT, description="Only the last N lines.")] = None,
     follow: Annotated[
         bool, Query(description="Stream the log as it grows (text/plain) until the Ray job ends.")
     ] = False,

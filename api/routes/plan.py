@@ -8,10 +8,11 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from api.deps import RuntimeDep
+from api.schemas import error_responses
 from service.errors import InvalidSpec
 from service.planner import PlanFacts
 from service.planning import measured_plan
-from service.spec import JobSpec
+from service.spec import MAX_INT, Int, JobSpec
 
 router = APIRouter(tags=["plan"])
 
@@ -21,8 +22,11 @@ class PlanRequest(BaseModel):
         default_factory=PlanFacts, description="Facts given outright; they win over everything measured."
     )
     spec: JobSpec | None = Field(default=None, description="A job spec to take facts from.")
-    job_id: int | None = Field(
-        default=None, description="A job whose spec and measured step time to use (its spec unless `spec`)."
+    job_id: Int | None = Field(
+        default=None,
+        le=MAX_INT,
+        ge=1,
+        description="A job whose spec and measured step time to use (its spec unless `spec`).",
     )
 
 
@@ -44,7 +48,7 @@ class PlanPublic(BaseModel):
     sources: dict[str, str] = Field(description="Where each fact came from.")
 
 
-@router.post("/plan", response_model=PlanPublic)
+@router.post("/plan", response_model=PlanPublic, responses=error_responses(400, 404, 422))
 def create_plan(request: PlanRequest, runtime: RuntimeDep) -> PlanPublic:
     """Throughput, communication ceiling, checkpoint cost, cadence, failure waste and price."""
     assert runtime.db is not None

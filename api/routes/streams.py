@@ -14,13 +14,22 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import JobsDep
-from api.schemas import EventPublic, JobPublic, MetricPublic, MetricsPublic, QueuePublic, QueuesPublic
+from api.limits import JobId
+from api.schemas import (
+    EventPublic,
+    JobPublic,
+    MetricPublic,
+    MetricsPublic,
+    QueuePublic,
+    QueuesPublic,
+    error_responses,
+)
 from service import repository
 from service.jobs import JobService
 
@@ -42,27 +51,8 @@ KEEP_ALIVE = b": keep-alive\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-@dataclass(frozen=True)
-class Resume:
-    """Where a stream resumes: the id its client last saw (the Last-Event-ID header, which browsers'
-    EventSource send on reconnect, before the `last_event_id` query), and which of the two gave it."""
-
-    id: str | None
-    where: str = "query"
-
-
-def resume_point(
-    last_event_id: Annotated[
-        str | None, Query(description="Resume after this id (as Last-Event-ID).")
-    ] = None,
-    last_event_id_header: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
-) -> Resume:
-    if last_event_id_header is not None:
-        return Resume(last_event_id_header, "header")
-    return Resume(last_event_id)
-
-
-ResumeDep = Annotated[Resume, Depends(resume_point)]
+def _resume_from(header: str, query: str) -> str | None:
+    return header or query or None
 
 
 def _bad_cursor(where: str, value: str) -> RequestValidationError:
@@ -77,6 +67,11 @@ def _bad_cursor(where: str, value: str) -> RequestValidationError:
     )
 
 
+# "<event id>.<metric id>", as JobCursor writes it; "<event id>" alone means no metric yet (ids of at
+# most 16 digits: within a 64-bit column); "" = from the start.
+JOB_CURSOR_PATTERN = r"^([0-9]{1,16}(\.[0-9]{1,16})?)?$"
+
+
 @dataclass
 class JobCursor:
     """Where a client of a job stream is: the last event row and metric row it was sent."""
@@ -89,8 +84,8 @@ class JobCursor:
 
     @classmethod
     def parse(cls, value: str) -> JobCursor:
-        event_id, metric_id = value.split(".")
-        cursor = cls(int(event_id), int(metric_id))
+        event_id, _, metric_id = value.partition(".")
+        cursor = cls(int(event_id), int(metric_id or 0))
         if cursor.event_id < 0 or cursor.metric_id < 0:
             raise ValueError(value)
         return cursor
@@ -147,20 +142,25 @@ async def _until_gone(request: Request, messages: AsyncIterator[bytes]) -> Async
         open_streams -= 1
 
 
-@router.get("/jobs/{job_id}/stream", response_class=StreamingResponse)
+@router.get("/jobs/{job_id}/stream", response_class=StreamingResponse, responses=error_responses(404, 422))
 async def stream_job(
-    job_id: int,
+    job_id: JobId,
     request: Request,
     jobs: JobsDep,
-    resume: ResumeDep,
+    # Not nullable ("" = not given): a client generating from the schema has no null for a header.
+    last_event_id: Annotated[
+        str, Query(pattern=JOB_CURSOR_PATTERN, description="Resume after this id (as Last-Event-ID).")
+    ] = "",
+    last_event_id_header: Annotated[str, Header(alias="Last-Event-ID", pattern=JOB_CURSOR_PATTERN)] = "",
 ) -> StreamingResponse:
     """A job's state, events and metric points as server-sent events, until it ends (see the README's
     stream contract). 404 for an unknown job."""
+    resume = _resume_from(last_event_id_header, last_event_id)
     try:
-        cursor = JobCursor.parse(resume.id) if resume.id else JobCursor()
+        cursor = JobCursor.parse(resume) if resume else JobCursor()
     except ValueError:
-        assert resume.id is not None
-        raise _bad_cursor(resume.where, resume.id) from None
+        assert resume is not None
+        raise _bad_cursor("header" if last_event_id_header else "query", resume) from None
     first = await run_in_threadpool(_poll_job, jobs, job_id, cursor)  # 404 here, before the stream starts
 
     async def messages() -> AsyncIterator[bytes]:
@@ -231,13 +231,17 @@ def _tracker(request: Request) -> QueuesTracker:
 async def stream_queues(
     request: Request,
     jobs: JobsDep,
-    resume: ResumeDep,
+    last_event_id: Annotated[
+        str, Query(max_length=32, description="Resume after this id (as Last-Event-ID).")
+    ] = "",
+    last_event_id_header: Annotated[str, Header(alias="Last-Event-ID", max_length=32)] = "",
 ) -> StreamingResponse:
     """GET /queues' body as a server-sent event at connect and whenever it changes."""
     tracker = _tracker(request)
+    resume = _resume_from(last_event_id_header, last_event_id)
 
     async def messages() -> AsyncIterator[bytes]:
-        sent = resume.id
+        sent = resume
         while True:
             version, body = await tracker.latest(jobs)
             if str(version) != sent:

@@ -33,12 +33,14 @@ from starlette.routing import Match
 from starlette.types import Scope
 
 from api.deps import BEARER, COOKIE, TOKEN_COOKIE, AuthDep, JobsDep, get_current_user
+from api.limits import JobId
 from api.schemas import CheckpointPublic, EventPublic, JobPublic
 from service import repository
 from service.auth import Auth, User
 from service.errors import Unauthenticated
 from service.jobs import QueueView
 from service.models import Job
+from service.spec import MAX_INT
 from service.states import ACTIVE_STATES, JobState
 
 HERE = Path(__file__).parent
@@ -215,8 +217,8 @@ def queue_page(
     request: Request,
     jobs: JobsDep,
     user: PageUser,
-    offset: Annotated[int, Query(ge=0)] = 0,
-    finished_offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
+    finished_offset: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
     part: Annotated[str | None, Query(pattern="^live$")] = None,
 ) -> HTMLResponse:
     views = jobs.queues(limit=QUEUE_PAGE, offset=offset)
@@ -243,7 +245,7 @@ def queue_page(
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(
-    job_id: int,
+    job_id: JobId,
     request: Request,
     jobs: JobsDep,
     user: PageUser,

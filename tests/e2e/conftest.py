@@ -84,7 +84,7 @@ def start_serve(
         if process.poll() is not None:
             raise RuntimeError(f"apiary serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            return httpx.get(f"{served.url}/healthz", timeout=2).json().get("status") == "ok"
+            return httpx.get(f"{served.url}/readyz", timeout=2).json().get("status") == "ok"
         except (httpx.HTTPError, ValueError):  # not up yet, or not answering JSON yet
             return False
 

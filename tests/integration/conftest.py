@@ -80,21 +80,23 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
         queues: dict[str, Any] | None = None,
         nodes: list[dict[str, float]] | None = None,
         log_level: str = "warning",
+        run_scheduler: bool = False,
         **settings: Any,
     ) -> Service:
-        """`fields`: more Settings (e.g. shared_filesystem)."""
+        """`settings` override the Settings (e.g. database_url, shared_filesystem); `run_scheduler` runs
+        its loop."""
         port = free_port()
         queues_file = None
         if queues is not None:
             queues_file = tmp_path / "queues.yaml"
             queues_file.write_text(yaml.safe_dump(queues))
         config = Settings(
-            data_dir=tmp_path / "data",
-            database_url=database_url,
             port=port,
             queues_file=queues_file,
             # The tests' datasets lie in their tmp_path; their custom trainer is tests.support's.
             **{
+                "data_dir": tmp_path / "data",
+                "database_url": database_url,
                 "local_user": "ada",
                 "data_roots": str(tmp_path),
                 "trainer_modules": "tests.support",
@@ -102,7 +104,7 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
             },
         )
         backend = FakeBackend(nodes=nodes) if nodes is not None else FakeBackend()
-        runtime = Runtime(config, backend=backend, run_scheduler=False)
+        runtime = Runtime(config, backend=backend, run_scheduler=run_scheduler)
         server = BackgroundServer(
             create_app(runtime=runtime), host="127.0.0.1", port=port, log_level=log_level
         )

@@ -187,13 +187,14 @@ def test_listing_filters_by_state_and_queue(service: Service, spec: dict[str, An
 def test_unknown_job_is_404_and_health_is_ok(service: Service) -> None:
     response = service.http.get("/jobs/12345")
     assert response.status_code == 404 and response.json()["message"] == "job 12345 does not exist"
-    assert service.http.get("/healthz").json() == {
-        "status": "ok",
-        "database": "ok",
-        "ray": "ok",
-    }
+    assert service.http.get("/readyz").json() == {"status": "ok", "database": "ok", "ray": "ok"}
     service.backend.available = False
-    assert service.http.get("/healthz").json()["status"] == "degraded"
+    not_ready = service.http.get("/readyz")
+    assert not_ready.status_code == 503 and not_ready.headers["Retry-After"]
+    assert not_ready.json()["status"] == "degraded" and not_ready.json()["ray"].startswith("unavailable")
+    # Liveness checks nothing but the process: an orchestrator must not restart it for Ray's sake.
+    alive = service.http.get("/healthz")
+    assert alive.status_code == 200 and alive.json() == {"status": "ok"}
 
 
 def test_openapi_is_served(service: Service) -> None:

@@ -25,7 +25,12 @@ from tests.support.jobs import classification_job
 
 # No user needed: what monitoring reads (the health check, Prometheus' aggregate metrics) and the
 # trainers' telemetry (not a user's route).
-PUBLIC = {("GET", "/healthz"), ("GET", "/metrics"), ("POST", "/internal/jobs/{job_id}/telemetry")}
+PUBLIC = {
+    ("GET", "/healthz"),
+    ("GET", "/readyz"),
+    ("GET", "/metrics"),
+    ("POST", "/internal/jobs/{job_id}/telemetry"),
+}
 
 
 @pytest.fixture

@@ -2,11 +2,12 @@ from __future__ import annotations
 
 import re
 
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect, text
+from sqlalchemy import Engine, inspect, text
 
-from service.db import build_engine, upgrade
+from service.db import alembic_config, build_engine, upgrade
 from service.models import Base
 from service.states import JobState
 
@@ -38,3 +39,20 @@ def test_the_database_state_constraint_matches_the_python_enum(database_url: str
     allowed = set(re.findall(r"'([a-z_-]+)'", state_check["sqltext"]))
     assert allowed == {state.value for state in JobState}
     engine.dispose()
+
+
+def test_the_64_bit_migration_goes_down_and_up_again(database_url: str) -> None:
+    engine = build_engine(database_url)
+    upgrade(engine)
+    command.downgrade(alembic_config(engine), "0006")
+    assert step_type(engine) == "INTEGER"
+    upgrade(engine)
+    assert step_type(engine) == "BIGINT"
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"compare_type": True})
+        assert compare_metadata(context, Base.metadata) == []
+    engine.dispose()
+
+
+def step_type(engine: Engine) -> str:
+    return next(str(c["type"]) for c in inspect(engine).get_columns("metrics") if c["name"] == "step")

@@ -4,9 +4,6 @@ proxy that the test stops and starts, so that a deletion fails and is retried la
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,6 +19,7 @@ from tests.conftest import S3
 from tests.integration.conftest import Service
 from tests.integration.test_recovery import post
 from tests.integration.test_scheduler import run_to_running
+from tests.support.proxy import TcpProxy
 
 EVERY = 5
 
@@ -179,87 +177,24 @@ def test_retention_settings_are_validated_at_submission(
     assert service.http.get("/jobs/999/checkpoints").status_code == 404
 
 
-class Proxy:
-    """A TCP proxy on loopback to `target` (host, port) that the test stops (connections refused,
-    open ones cut) and starts again on the same port."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        self.port = probe.getsockname()[1]
-        probe.close()
-        self._listener: socket.socket | None = None
-        self._open: list[socket.socket] = []
-        self._lock = threading.Lock()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(32)
-        self._listener = listener
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-
-    def stop(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        with self._lock:
-            for sock in self._open:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-            self._open.clear()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            with self._lock:
-                self._open += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (source, sink):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-
-
 @pytest.fixture
-def proxy(s3: S3) -> Iterator[Proxy]:
+def proxy(s3: S3) -> Iterator[TcpProxy]:
     host, port = s3.endpoint_url.removeprefix("http://").split(":")
-    proxy = Proxy((host, int(port)))
-    proxy.start()
+    proxy = TcpProxy(host, int(port))
     yield proxy
-    proxy.stop()
+    proxy.close()
 
 
 def test_a_deletion_that_fails_while_s3_is_down_stays_deleting_and_succeeds_later(
     start_service: Callable[..., Service],
     classification_dataset: str,
     s3: S3,
-    proxy: Proxy,
+    proxy: TcpProxy,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The service reaches S3 through the proxy; the test writes and reads S3 directly.
     monkeypatch.setenv("APIARY_STORAGE_URI", s3.checkpoints_uri)
-    monkeypatch.setenv("APIARY_S3_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv("APIARY_S3_ENDPOINT_URL", f"http://{proxy.address}")
     service = start_service()
     job_id = service.submit(job_spec(classification_dataset, keep_last=2))["id"]
     run_to_running(service, [job_id])
@@ -268,7 +203,7 @@ def test_a_deletion_that_fails_while_s3_is_down_stays_deleting_and_succeeds_late
         write_checkpoint(folder_of(service, job_id, step), s3_endpoint_url=s3.endpoint_url)
         report(service, job_id, step, loss=1.0)
 
-    proxy.stop()  # S3 is unreachable for the service
+    proxy.close()  # S3 is unreachable for the service
     now = time.time()
     service.tick(now)
     rows = listed(service, job_id)
@@ -280,7 +215,7 @@ def test_a_deletion_that_fails_while_s3_is_down_stays_deleting_and_succeeds_late
     service.tick(now + 1)  # before its retry time: not tried again
     assert listed(service, job_id)[5]["delete_attempts"] == 1
 
-    proxy.start()
+    proxy.open()
     service.tick(now + 3600)
     rows = listed(service, job_id)
     assert {s: row["state"] for s, row in rows.items()} == {

@@ -44,7 +44,7 @@ def served(tmp_path: Path) -> Iterator[tuple[httpx.Client, Runtime, FakeBackend]
     server = BackgroundServer(create_app(runtime=runtime), host="127.0.0.1", port=port)
     server.start()
     try:
-        with httpx.Client(base_url=server.url, headers={"X-Apiary-User": "ada"}, timeout=10) as http:
+        with httpx.Client(base_url=server.url, timeout=10) as http:
             yield http, runtime, backend
     finally:
         server.stop()

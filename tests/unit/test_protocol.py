@@ -71,11 +71,12 @@ def test_a_reason_is_one_bounded_line() -> None:
 def test_the_launch_request_travels_through_the_handoff_and_the_environment_holds_only_a_pointer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A config far past exec's 128 KiB limit on one environment variable.
+    # The largest config a spec may have (64 KiB as JSON): with the rest of a spec, the environment
+    # would be within reach of exec's 128 KiB limit on one variable; here it holds a pointer only.
     spec = make_spec(
         trainer="tests.support.custom_trainer:train",
         dataset="file:///data/tokens",
-        config={"vocab_size": 64, "note": "x" * 200_000},
+        config={"vocab_size": 64, "note": "x" * 65_000},
         name="big-config",
     )
     request = LaunchRequest(

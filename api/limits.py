@@ -1,0 +1,99 @@
+"""Bounds on what one request may carry, so that no input reaches the database out of its range.
+
+- Bodies: at most `MAX_BODY_BYTES` on the public routes and `MAX_INTERNAL_BODY_BYTES` on `/internal/`
+  (a trainer's telemetry post: up to `MAX_POINTS_PER_POST` points), else 413, before a route reads it
+  (`BodyLimit`, a pure ASGI middleware: it also counts a body sent without Content-Length).
+- Integers in paths and queries: `JobId`, and `le=MAX_INT` on each query: at most `MAX_INT`
+  (2**53 - 1, which every JSON client reads exactly and every 64-bit column holds); bodies use
+  `service.spec.Int` the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from fastapi import Path
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.spec import MAX_INT
+
+MAX_BODY_BYTES = 1024 * 1024
+MAX_INTERNAL_BODY_BYTES = 8 * 1024 * 1024
+INTERNAL_PREFIX = "/internal/"
+
+JobId = Annotated[int, Path(ge=1, le=MAX_INT, description="The job's id.")]
+TokenId = Annotated[int, Path(ge=1, le=MAX_INT, description="The token's id.")]
+
+
+def body_limit(path: str) -> int:
+    return MAX_INTERNAL_BODY_BYTES if path.startswith(INTERNAL_PREFIX) else MAX_BODY_BYTES
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Answers 413 to a request whose body is larger than `body_limit(path)`: at once when its
+    Content-Length says so, else as soon as the bytes received pass it (whatever the route then did
+    with the broken body, the client gets the 413)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = body_limit(scope["path"])
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _too_large(send, limit)
+            return
+        received = 0
+        exceeded = False
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    exceeded = True
+                    raise _BodyTooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if exceeded:
+                if message["type"] == "http.response.start" and not started:
+                    started = True
+                    await _too_large(send, limit)
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except _BodyTooLarge:
+            if not started:
+                await _too_large(send, limit)
+
+
+async def _too_large(send: Send, limit: int) -> None:
+    body = json.dumps(
+        {
+            "message": f"the request body is larger than {limit} bytes: send less at a time",
+            "error": "PayloadTooLarge",
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
