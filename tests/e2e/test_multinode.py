@@ -88,7 +88,7 @@ def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undis
     table = classification_table(num_rows=1024, num_features=8, num_classes=3)
     write_shards(table, dataset, num_shards=4, s3_endpoint_url=s3.endpoint_url)
     nodes = cluster.alive_nodes()
-    with ApiaryClient(served.url, user="e2e") as client:
+    with ApiaryClient(served.url) as client:
         job = client.submit(spec(dataset, "across-nodes"))
 
         def at_kill_step() -> Any:
