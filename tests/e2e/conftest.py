@@ -72,6 +72,8 @@ def start_serve(
         "APIARY_DATABASE_URL": database_url,
         # The tests' datasets lie in pytest's temporary folders (or in S3).
         "APIARY_DATA_ROOTS": f"{tempfile.gettempdir()},s3://",
+        # No tokens: every request is this local user (the events say "submitted by e2e").
+        "APIARY_LOCAL_USER": "e2e",
         **(env or {}),
     }
     with log.open("wb") as out:
