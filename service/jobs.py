@@ -38,11 +38,18 @@ from service.errors import (
     ReportRefused,
     Unschedulable,
 )
-from service.handoff import is_own_checkpoint, job_prefix, token_matches
+from service.handoff import (
+    handoff_uri,
+    is_own_checkpoint,
+    job_prefix,
+    read_token,
+    token_hash,
+    token_matches,
+)
 from service.models import Checkpoint, IdempotencyKey, Job, JobEvent, Metric, utcnow
 from service.observability import Gauges, Metrics, RunningJob
 from service.policy import ClusterSnapshot, Gang, SpreadBundle, capacity_text, fits_empty_cluster
-from service.protocol import GROUP_STARTED, TelemetryBatch, TelemetryReply
+from service.protocol import GROUP_STARTED, LaunchPointer, TelemetryBatch, TelemetryReply
 from service.queues import QueueConfig
 from service.settings import Settings
 from service.spec import JobSpec, Placement, Queue
@@ -275,15 +282,24 @@ class JobService:
 
         Only the job's current attempt may report, with its report token (service.handoff), and only a
         checkpoint under the job's own storage prefix: anything else is refused and changes nothing
-        (`AttemptSuperseded` for an attempt that was given up, `ReportRefused`, `InvalidReport`)."""
+        (`AttemptSuperseded` for an attempt that was given up, `ReportRefused`, `InvalidReport`). An
+        attempt that was given up but shows its own token keeps its points, and nothing else, and is
+        told it was superseded."""
         with self.db.session() as session:
             # Locked: two ranks' first posts after a restart must count it once.
             job = repository.get_job(session, job_id, for_update=True)
-            self._check_report(job, batch, token=token)
-            restarts = job.restarts
-            repository.note_segment(session, job, segment=batch.segment, resumed_from=_resumed_from(batch))
-            restarted = job.restarts > restarts
-            current = batch.segment >= (job.segment or 0)
+            # A given-up attempt's points only: the next attempt may resume from a checkpoint that
+            # one wrote after it was given up, and then nobody trains those steps again. No
+            # checkpoint, status or event of it counts, and the reply tells it to exit.
+            given_up = self._given_up_attempt(job, batch, token=token)
+            restarted = False
+            if not given_up:
+                self._check_report(job, batch, token=token)
+                restarts = job.restarts
+                resumed_from = _resumed_from(batch)
+                repository.note_segment(session, job, segment=batch.segment, resumed_from=resumed_from)
+                restarted = job.restarts > restarts
+            current = not given_up and batch.segment >= (job.segment or 0)
             stored = repository.add_metrics(
                 session,
                 job,
@@ -292,6 +308,9 @@ class JobService:
                 points=batch.points,
                 current=current,
             )
+            if given_up:
+                self.metrics.points_ingested(stored)
+                return TelemetryReply(stored=stored, stop=False, superseded=True)
             if current and batch.status is not None:
                 repository.note_rank_status(
                     session,
@@ -317,6 +336,23 @@ class JobService:
         if restarted:
             self.metrics.job_restarted(queue=job.queue)
         return TelemetryReply(stored=stored, stop=stop, superseded=superseded)
+
+    def _given_up_attempt(self, job: Job, batch: TelemetryBatch, *, token: str | None) -> bool:
+        """True for a post of an attempt that was given up which carries that attempt's own report token
+        (read from its handoff folder: rare, only such posts pay it)."""
+        if batch.attempt >= job.attempt or token is None:
+            return False
+        pointer = LaunchPointer(
+            job_id=job.id,
+            attempt=batch.attempt,
+            handoff_uri=handoff_uri(self.settings.resolved_storage_uri, job_id=job.id, attempt=batch.attempt),
+            s3_endpoint_url=self.settings.s3_endpoint_url,
+        )
+        try:
+            issued = read_token(pointer)
+        except ValueError:
+            return False
+        return token_matches(token, token_hash(issued))
 
     def _check_report(self, job: Job, batch: TelemetryBatch, *, token: str | None) -> None:
         if batch.attempt < job.attempt:

@@ -111,7 +111,7 @@ def test_forged_reports_are_refused_and_change_nothing(service: Service, spec: d
     assert what_reports_change(service, job_id) == before
 
 
-def test_an_old_attempt_is_told_it_was_superseded_and_changes_nothing(
+def test_an_old_attempt_is_told_it_was_superseded_and_keeps_only_its_points(
     service: Service, spec: dict[str, Any]
 ) -> None:
     job_id, first, old_token = running_job(service, spec)
@@ -125,12 +125,29 @@ def test_an_old_attempt_is_told_it_was_superseded_and_changes_nothing(
     assert new_token != old_token
     before = what_reports_change(service, job_id)
 
-    late = post(service, job_id, batch(attempt=1, checkpoint=service.checkpoint_uri(job_id, "x")), old_token)
-    assert late.status_code == 403 and late.json()["error"] == "AttemptSuperseded"
-    # Attempt 2 with attempt 1's token, or attempt 1's number with attempt 2's token: refused too.
+    # Attempt 2 with attempt 1's token, or attempt 1's number with attempt 2's token or none: refused.
     assert post(service, job_id, batch(attempt=2), old_token).status_code == 401
-    assert post(service, job_id, batch(attempt=1), new_token).status_code == 403
+    refused = post(service, job_id, batch(attempt=1), new_token)
+    assert refused.status_code == 403 and refused.json()["error"] == "AttemptSuperseded"
+    assert post(service, job_id, batch(attempt=1), None).status_code == 403
     assert what_reports_change(service, job_id) == before
+
+    # With its own token, a rank of the given-up attempt keeps the points of the steps it trained (the
+    # next attempt may resume from a checkpoint it wrote after it was given up, and never train them
+    # again), and nothing else: not its checkpoint. It is told to exit.
+    late = post(
+        service, job_id, batch(attempt=1, step=11, checkpoint=service.checkpoint_uri(job_id, "x")), old_token
+    )
+    assert late.status_code == 202 and late.json()["superseded"] is True and late.json()["stored"] == 1
+    latest_checkpoint, latest_checkpoint_step, latest_step, count, events, checkpoints = before
+    assert what_reports_change(service, job_id) == (
+        latest_checkpoint,
+        latest_checkpoint_step,
+        latest_step,
+        count + 1,
+        events,
+        checkpoints,
+    )
 
     assert post(service, job_id, batch(attempt=2, step=12), new_token).status_code == 202
     assert service.job(job_id)["latest_step"] == 12
