@@ -31,6 +31,8 @@ from ray.train.constants import (
 )
 from ray.train.v2._internal.util import TrainingFramework
 
+from trainers import startup
+
 logger = logging.getLogger(__name__)
 
 
@@ -64,6 +66,7 @@ class ProcessGroupBackend(Backend):
 
     def on_start(self, worker_group: Any, backend_config: BackendConfig) -> None:
         assert isinstance(backend_config, ProcessGroupConfig)
+        startup.mark("workers_started")
         address, port = worker_group.execute_single(0, get_address_and_port)
         worker_group.execute(_set_master, address=address, port=port)
         worker_group.execute(_torch_config_call, "_set_torch_distributed_env_vars")
@@ -82,6 +85,8 @@ class ProcessGroupBackend(Backend):
                 for rank in range(len(worker_group))
             ]
         )
+        startup.mark("process_group_ready")
+        startup.emit("controller")
 
     def on_shutdown(self, worker_group: Any, backend_config: BackendConfig) -> None:
         futures = worker_group.execute_async(
@@ -116,6 +121,10 @@ def _set_master(*, address: str, port: int) -> None:
 
 def _torch_config_call(name: str, /, **kwargs: Any) -> Any:
     """On a worker: call `ray.train.torch.config.<name>` (the import, and torch's, happen here)."""
+    startup.mark("torch_importing")
     from ray.train.torch import config
 
-    return getattr(config, name)(**kwargs)
+    startup.mark("torch_imported")
+    result = getattr(config, name)(**kwargs)
+    startup.mark(f"{name.strip('_')}_done")
+    return result

@@ -35,6 +35,7 @@ posted to the control plane as a `worker_failed` event.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import re
@@ -51,6 +52,8 @@ import ray.data
 import ray.train
 from pydantic import ValidationError
 from ray.data import ExecutionOptions, ExecutionResources
+from ray.train.v2._internal.callbacks import DatasetsCallback
+from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.exceptions import RayTrainError, UserExceptionWithTraceback
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 from ray.train.v2.api import data_parallel_trainer
@@ -63,6 +66,7 @@ from service.handoff import LOOP_CONFIG_KEY, pointer_from_env, read_launch, read
 from service.protocol import LAUNCH_ENV_VAR, LaunchPointer, LaunchRequest, clip_reason, error_line
 from service.spec import BUILTIN_TRAINERS, JobSpec
 from service.storage import checkpoint_uri, resolve_uri
+from trainers import startup
 from trainers.backend import ProcessGroupConfig
 from trainers.data import DatasetInfo, inspect_dataset
 from trainers.data_order import Slice
@@ -154,6 +158,28 @@ def _is_own_error(error: BaseException) -> bool:
     return not _COLLATERAL.search(f"{type(error).__name__}: {error}")
 
 
+class ApiaryTrainer(DataParallelTrainer):
+    """Ray Train's data-parallel trainer without two helper actors that a run of its own Ray job
+    does not need. Each helper is one more Python process per job (Ray, Ray Train and pandas
+    imported), started beside the worker group on the way to step 1 (benchmarks/overhead.py):
+
+    - the `PlacementGroupCleaner`, a detached actor that removes the worker group's placement group
+      if the controller dies while its driver lives on (Ray Tune's case). Here the driver exits when
+      the controller fails (`fit()` raises), which ends the Ray job, and Ray removes the placement
+      groups of a finished job itself;
+    - for a built-in trainer, which reads its own per-rank streams (`trainers.data_stream`) and passes
+      no datasets, the `DatasetManager` that would hand out shards of none.
+    """
+
+    def _create_default_callbacks(self) -> list[Any]:
+        return [
+            callback
+            for callback in super()._create_default_callbacks()
+            if not isinstance(callback, PlacementGroupCleanerCallback)
+            and not (isinstance(callback, DatasetsCallback) and not self.datasets)
+        ]
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunResult:
     run_name: str
@@ -182,8 +208,13 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
     started = time.monotonic()
     spec = request.spec
     token = read_token(pointer) if pointer is not None else None
-    train_fn = builtin_train_loop if spec.trainer in BUILTIN_TRAINERS else load_custom_trainer(spec.trainer)
+    train_fn = (
+        builtin_train_loop
+        if spec.trainer in BUILTIN_TRAINERS
+        else _marking_start(load_custom_trainer(spec.trainer))
+    )
     dataset_info = inspect_dataset(spec, s3_endpoint_url=request.s3_endpoint_url)
+    startup.mark("checked")
     storage_path, storage_filesystem = resolve_uri(
         request.storage_uri, s3_endpoint_url=request.s3_endpoint_url
     )
@@ -211,7 +242,7 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
         request=request,
         token=token,
     )
-    trainer = DataParallelTrainer(
+    trainer = ApiaryTrainer(
         train_fn,
         # The handoff pointer, not the token: Ray Train keeps the loop config; each worker reads the
         # token from storage (service.handoff.loop_token).
@@ -243,6 +274,8 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
             ),
         ),
     )
+    startup.mark("fit_called")
+    startup.emit("driver")
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as err:
@@ -270,9 +303,25 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
 
 def builtin_train_loop(loop_config: dict[str, Any]) -> None:
     """`trainers.loop.train_loop_per_worker`, imported on the worker that runs it (with torch)."""
+    startup.mark("loop_entered")
     from trainers.loop import train_loop_per_worker
 
+    startup.mark("loop_imported")
+
     train_loop_per_worker(loop_config)
+
+
+def _marking_start(function: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+    """A custom trainer's function, with the worker's start-up marks emitted as it is entered: what
+    follows is the trainer's own (trainers.startup)."""
+
+    @functools.wraps(function)
+    def entered(loop_config: dict[str, Any]) -> Any:
+        startup.mark("loop_entered")
+        startup.emit(f"rank {ray.train.get_context().get_world_rank()}")
+        return function(loop_config)
+
+    return entered
 
 
 def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
@@ -375,6 +424,7 @@ def _error_text(err: BaseException) -> str:
 
 
 def main() -> int:
+    startup.mark("imports_done")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         pointer = pointer_from_env()
@@ -390,6 +440,7 @@ def main() -> int:
     try:
         # Inside a Ray job, RAY_ADDRESS points at the job's cluster and this connects to it.
         ray.init()
+        startup.mark("connected")
         result = run(request, pointer=pointer)
     except Exception as err:
         logger.error("job %d attempt %d failed:\n%s", request.job_id, request.attempt, traceback.format_exc())

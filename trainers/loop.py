@@ -62,6 +62,7 @@ import torch
 from service.handoff import loop_token
 from service.protocol import GROUP_STARTED, LaunchRequest
 from service.spec import AnomalyAction, JobSpec
+from trainers import startup
 from trainers.anomaly import Anomaly, AnomalyDetector, decide, encode
 from trainers.checkpoint import Checkpointer, Resume, TrainParts, TrainState, seed_rank
 from trainers.data import DatasetInfo, RankBatches, iter_batches_for_rank
@@ -110,11 +111,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         checkpointer = stack.enter_context(
             Checkpointer(request, row_shape=dataset.row_shape, rank=rank, telemetry=telemetry, device=device)
         )
+        startup.mark("group_joined")
         with checkpointer.latest() as resume:
             state, batches, parts = start(resume)
             if resume is not None and rank == 0:
                 logger.info("resumed from step %d (epoch %d)", state.step, state.epoch)
         stack.callback(lambda: batches.close())  # whichever stream is open at the end
+        startup.mark("ready")
         if rank == 0:
             _announce_start(
                 telemetry,
@@ -193,6 +196,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "epoch": float(epoch),
             }
             telemetry.record(state.step, values)
+            if startup.mark("step_1_done"):
+                startup.emit(f"rank {rank}")
             now = time.monotonic()
             if rank == 0 and (now - last_log >= LOG_INTERVAL_S or state.step == spec.max_steps):
                 last_log = now
@@ -228,6 +233,7 @@ class _Worker:
         state = resume.train_state(world_size=self.world_size) if resume is not None else TrainState()
         # 2. This rank's data from there, reading in the background from now on (the order uses
         # no global RNG, so the model below is built while the first batch is read).
+        startup.mark("stream_opening")
         batches = iter_batches_for_rank(
             self.request,
             self.dataset,
@@ -240,6 +246,7 @@ class _Worker:
         try:
             # 3. Model, wrapped for the strategy, then the optimizer (FSDP replaces parameters by
             # shards). Initial weights depend on the seed only, not on the rank or world size.
+            startup.mark("stream_opened")
             spec = self.request.spec
             torch.manual_seed(spec.seed)
             model = parallelize(
@@ -252,6 +259,7 @@ class _Worker:
             )
             optimizer, lr_schedule = self.trainer.build_optimizer(model, max_steps=spec.max_steps)
             parts = TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule)
+            startup.mark("model_built")
             if resume is not None:
                 resume.restore(parts, rank=self.rank, world_size=self.world_size)
             else:

@@ -107,3 +107,29 @@ def test_only_the_jobs_own_exceptions_are_final_for_ray_train() -> None:
     )
     # Where trainers.launch installs its failure policy in Ray Train (2.60): fails loudly if it moves.
     assert callable(data_parallel_trainer.create_failure_policy)
+
+
+def test_the_trainer_starts_no_helper_actor_that_a_run_of_its_own_ray_job_does_not_need() -> None:
+    """No PlacementGroupCleaner (Ray removes a finished job's placement groups), and no
+    DatasetManager for a built-in trainer, which passes no datasets; a custom trainer's dataset still
+    gets its shards. Each is a Python process fewer on the way to step 1."""
+    import ray.train
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from trainers.backend import ProcessGroupConfig
+    from trainers.launch import ApiaryTrainer
+
+    def callbacks(**kwargs: Any) -> set[type]:
+        trainer = ApiaryTrainer(
+            lambda config: None,
+            backend_config=ProcessGroupConfig(),
+            scaling_config=ray.train.ScalingConfig(num_workers=2),
+            **kwargs,
+        )
+        return {type(callback) for callback in trainer._create_default_callbacks()}
+
+    builtin = callbacks()
+    assert PlacementGroupCleanerCallback not in builtin and DatasetsCallback not in builtin
+    custom = callbacks(datasets={"train": lambda: None})
+    assert PlacementGroupCleanerCallback not in custom and DatasetsCallback in custom
