@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -87,6 +88,54 @@ def build_spec(args: argparse.Namespace, *, dataset_uri: str, max_steps: int, na
     }
 
 
+class CpuClock:
+    """The machine's busy CPU seconds (all cores, /proc/stat), sampled every 0.1 s in a thread, so
+    that the CPU work of a start-up (from submission, or process start, to the end of step 1) can be
+    read after the fact: on a machine with few cores, that work divided by the cores is a floor under
+    the start-up's wall time, whatever runs in parallel."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-clock", daemon=True)
+
+    @staticmethod
+    def busy_s() -> float:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:]]
+        idle, iowait = fields[3], fields[4]
+        return (sum(fields[:8]) - idle - iowait) / os.sysconf("SC_CLK_TCK")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self.busy_s()))
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> CpuClock:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, when: float) -> float:
+        """Busy CPU seconds at `when` (the nearest sample)."""
+        return min(self.samples, key=lambda sample: abs(sample[0] - when))[1]
+
+    def between(self, start: float, end: float) -> float:
+        return self.at(end) - self.at(start)
+
+
+def idle_cpu_rate(seconds: float = 5.0) -> float:
+    """Busy CPU seconds per second of what already runs (an idle cluster, the API): subtracted from
+    a start-up's CPU work."""
+    with CpuClock() as clock:
+        time.sleep(seconds)
+    (first, busy_first), (last, busy_last) = clock.samples[0], clock.samples[-1]
+    return (busy_last - busy_first) / (last - first)
+
+
 def steady_state(step_end_times: dict[int, float], *, warmup: int, samples_per_step: int) -> float:
     """Samples/s over steps (warmup, last]: the wall time between the ends of step `warmup` and the last."""
     last = max(step_end_times)
@@ -122,24 +171,27 @@ def run_plain(
     spec_file, out = workdir / "plain-spec.json", workdir / "plain-result.json"
     spec_file.write_text(json.dumps(spec))
     before = load()
-    started = time.time()
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "plain_ddp.py"),
-            "--spec",
-            str(spec_file),
-            "--out",
-            str(out),
-        ],
-        check=True,
-        cwd=ROOT,
-        preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
-    )
-    wall_s = time.time() - started
+    idle_rate = idle_cpu_rate()
+    with CpuClock() as clock:
+        started = time.time()
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "plain_ddp.py"),
+                "--spec",
+                str(spec_file),
+                "--out",
+                str(out),
+            ],
+            check=True,
+            cwd=ROOT,
+            preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
+        )
+        wall_s = time.time() - started
     result = json.loads(out.read_text())
     times = {step + 1: t for step, t in enumerate(result["step_end_times"])}
     return {
+        "startup_cpu_s": clock.between(started, times[1]) - idle_rate * (times[1] - started),
         "samples_per_s": steady_state(times, warmup=warmup, samples_per_step=samples_per_step),
         "median_step_s": median_step_s(times, warmup=warmup),
         "first_step_s": times[1] - started,
@@ -314,7 +366,9 @@ def measure_job(
     serve: Serve, client: ApiaryClient, spec: dict[str, Any], *, samples_per_step: int, warmup: int
 ) -> dict[str, Any]:
     before = load()
-    measured = run_job(client, spec, timeout_s=1800)
+    idle_rate = idle_cpu_rate()
+    with CpuClock() as clock:
+        measured = run_job(client, spec, timeout_s=1800)
     times = {point["step"]: point["time"] for point in measured["points"]}
     values = [point["values"] for point in measured["points"] if point["step"] > warmup]
     submission_id = measured["job"]["ray_submission_id"]
@@ -329,6 +383,8 @@ def measure_job(
         "samples_per_s": steady_state(times, warmup=warmup, samples_per_step=samples_per_step),
         "median_step_s": median_step_s(times, warmup=warmup),
         "first_step_s": times[1] - measured["submitted"],
+        "startup_cpu_s": clock.between(measured["submitted"], times[1])
+        - idle_rate * (times[1] - measured["submitted"]),
         "phases": dict(sorted(phases.items(), key=lambda item: item[1])),
         "data_wait_share": data_wait_share(values),
         "final_loss": measured["points"][-1]["values"]["loss"],
@@ -480,6 +536,12 @@ def report(
             f"| start to end of step 1 | {statistics.median(r['first_step_s'] for r in plains):.1f} s "
             f"(process start) | | {first_step:.1f} s from submission, running cluster "
             f"(each: {_figures([j['first_step_s'] for j in jobs])}) |",
+            f"| CPU work to the end of step 1 (all cores, idle use subtracted) | "
+            f"{statistics.median(r['startup_cpu_s'] for r in plains):.1f} CPU-s | | "
+            f"{statistics.median(j['startup_cpu_s'] for j in jobs):.1f} CPU-s "
+            f"(each: {_figures([j['startup_cpu_s'] for j in jobs])}); / {os.cpu_count()} cores = "
+            f"{statistics.median(j['startup_cpu_s'] for j in jobs) / (os.cpu_count() or 1):.1f} s, a floor "
+            "under the wall time |",
             "",
             f"- **steady state: Apiary / plain DDP = {ratio:.3f}** (goal >= {GOAL_RATIO}: {ratio_verdict}); "
             f"Apiary / plain DDP beside the idle cluster = {apiary_sps / beside_sps:.3f} (what the job's own "
