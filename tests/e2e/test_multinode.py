@@ -5,7 +5,8 @@ APIARY_DATABASE_URL).
 
 One job of two workers placed `strict_spread` (Ray Train's placement group strategy, which the
 scheduler's admission follows), so its gang spans both nodes. It reads its shards from S3 and
-checkpoints to S3; its code reaches the nodes through its runtime_env. The second node is killed (its
+checkpoints to S3. The nodes run Ray with an interpreter that has no Apiary (the job's driver too,
+APIARY_JOB_PYTHON): its code reaches them only through its runtime_env. The second node is killed (its
 raylet, agents and workers at once) while the job runs: the gang no longer fits the head alone, so
 the job is stopped and requeued ("capacity lost"), waits while capacity says it cannot fit, and
 resumes from its S3 checkpoint when a new node joins. Its final parameters equal an undisturbed run
@@ -14,6 +15,7 @@ of the same spec on the same cluster. Prints the recovery figures for benchmarks
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +59,8 @@ def served(cluster: RayCluster, s3: S3, postgres_url: str, tmp_path: Path) -> It
             "APIARY_RAY_AUTH_TOKEN": cluster.token,
             "APIARY_STORAGE_URI": f"{s3.checkpoints_uri}/multinode",
             "APIARY_CAPACITY_LOSS_GRACE_S": "3",
+            # The driver runs on the head with the nodes' own interpreter, which has no Apiary.
+            "APIARY_JOB_PYTHON": str(cluster.python),
         },
     )
     try:
@@ -82,7 +86,7 @@ def spec(dataset: str, name: str) -> dict[str, Any]:
 
 
 def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undisturbed_run(
-    cluster: RayCluster, served: Served, s3: S3
+    cluster: RayCluster, served: Served, s3: S3, tmp_path: Path
 ) -> None:
     dataset = f"{s3.datasets_uri}/multinode-clf"
     table = classification_table(num_rows=1024, num_features=8, num_classes=3)
@@ -107,6 +111,11 @@ def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undis
             timeout=10,
         ).json()
         assert len(ray_job["runtime_env"]["py_modules"]) == 2, ray_job["runtime_env"]
+        assert ray_job["entrypoint"].startswith(str(cluster.python)), ray_job["entrypoint"]
+        no_apiary = subprocess.run(
+            [str(cluster.python), "-c", "import trainers"], cwd=tmp_path, capture_output=True, check=False
+        )
+        assert no_apiary.returncode != 0, "the nodes' interpreter must not have Apiary installed"
 
         killed_at = time.time()
         cluster.nodes[1].kill()

@@ -4,8 +4,11 @@ what happens across nodes and when one dies.
 
 Every node is one `ray start --block` in its own session, so `RayNode.kill()` takes all of it at once
 (raylet, agents, workers), as a lost machine does. The head's GCS notices a dead raylet within a few
-seconds (fast health checks). Token auth is on, with a token of the cluster's own. The nodes get no
-PYTHONPATH and run in a folder outside the repository: a job's code comes with its runtime_env.
+seconds (fast health checks). Token auth is on, with a token of the cluster's own.
+
+The nodes run a plain Ray installation: `RayCluster.python`, a virtual environment with this one's
+packages (torch, ray, pyarrow...) but without Apiary, no PYTHONPATH, in a folder outside the
+repository. A job's code can only come with its runtime_env, as on a cluster Apiary did not build.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class RayCluster:
     dashboard_url: str
     token_path: Path
     temp_dir: Path
+    python: Path  # the nodes' interpreter: Ray and torch, no Apiary (bare_python)
     nodes: list[RayNode] = field(default_factory=list)
 
     @property
@@ -125,13 +129,15 @@ class RayCluster:
     def _start(
         self, name: str, flags: list[str], *, num_cpus: int, resources: dict[str, float] | None
     ) -> RayNode:
-        ray_bin = str(Path(sys.executable).parent / "ray")
         log = self.root / f"{name}.log"
         # No PYTHONPATH: the jobs' code must come through their runtime_env.
         environ = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
         env = {**local_ray_env(environ, auth_token_path=self.token_path), **FAST_HEALTH_CHECKS}
+        # `ray start` by the nodes' interpreter: Ray starts its workers with the same one.
         command = [
-            ray_bin,
+            str(self.python),
+            "-c",
+            "import sys; from ray.scripts.scripts import main; sys.exit(main())",
             "start",
             "--block",
             f"--num-cpus={num_cpus}",
@@ -196,6 +202,7 @@ def ray_cluster(
         dashboard_url="",
         token_path=token_path,
         temp_dir=Path("/tmp") / f"apiary-mn-{secrets.token_hex(4)}",
+        python=bare_python(root / "bare-venv"),
     )
     try:
         cluster._launch("head", head=True, num_cpus=head_cpus, resources=head_resources)
@@ -203,3 +210,23 @@ def ray_cluster(
     finally:
         cluster.stop()
         shutil.rmtree(cluster.temp_dir, ignore_errors=True)  # Ray's session folders and logs
+
+
+def bare_python(folder: Path) -> Path:
+    """An interpreter with this environment's third-party packages and without Apiary: a new virtual
+    environment whose only addition is this one's site-packages as a plain path entry. Its `.pth`
+    files (among them the editable install's hook that makes `service` and `trainers` importable)
+    run only for a site directory, so they do not run there."""
+    python = folder / "bin" / "python"
+    if not python.exists():
+        base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+        subprocess.run([str(base), "-m", "venv", "--without-pip", str(folder)], check=True)
+        site = next(path for path in sys.path if path.endswith("site-packages") and sys.prefix in path)
+        (
+            folder
+            / "lib"
+            / f"python{sys.version_info.major}.{sys.version_info.minor}"
+            / "site-packages"
+            / "apiary-test-packages.pth"
+        ).write_text(f"{site}\n")
+    return python
