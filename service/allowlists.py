@@ -49,7 +49,7 @@ def check_trainer(trainer: str, *, allowed_modules: Sequence[str]) -> None:
         return
     module = trainer.split(":", 1)[0]
     allowed = any(module == prefix or module.startswith(prefix + ".") for prefix in allowed_modules)
-    if not allowed or _find_module(module) is None:
+    if not allowed or find_module(module) is None:
         shown = ", ".join(allowed_modules) if allowed_modules else "none"
         raise InvalidSpec(
             f"trainer {trainer!r} is not allowed here: a custom trainer must be a module that is "
@@ -59,7 +59,7 @@ def check_trainer(trainer: str, *, allowed_modules: Sequence[str]) -> None:
         )
 
 
-def _find_module(name: str) -> ModuleSpec | None:
+def find_module(name: str) -> ModuleSpec | None:
     """The spec of module `name` as the path finders see it, found without importing any package."""
     found: ModuleSpec | None = None
     path: list[str] | None = None

@@ -35,6 +35,7 @@ posted to the control plane as a `worker_failed` event.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import logging
@@ -44,7 +45,8 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from importlib.machinery import ModuleSpec
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import ray
@@ -61,6 +63,7 @@ from ray.train.v2.api.config import FailureConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
+from service.allowlists import find_module
 from service.errors import one_line
 from service.handoff import LOOP_CONFIG_KEY, pointer_from_env, read_launch, read_token
 from service.protocol import LAUNCH_ENV_VAR, LaunchPointer, LaunchRequest, clip_reason, error_line
@@ -208,11 +211,7 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
     started = time.monotonic()
     spec = request.spec
     token = read_token(pointer) if pointer is not None else None
-    train_fn = (
-        builtin_train_loop
-        if spec.trainer in BUILTIN_TRAINERS
-        else _marking_start(load_custom_trainer(spec.trainer))
-    )
+    train_fn = builtin_train_loop if spec.trainer in BUILTIN_TRAINERS else custom_trainer(spec.trainer)
     dataset_info = inspect_dataset(spec, s3_endpoint_url=request.s3_endpoint_url)
     startup.mark("checked")
     storage_path, storage_filesystem = resolve_uri(
@@ -311,26 +310,13 @@ def builtin_train_loop(loop_config: dict[str, Any]) -> None:
     train_loop_per_worker(loop_config)
 
 
-def _marking_start(function: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
-    """A custom trainer's function, with the worker's start-up marks emitted as it is entered: what
-    follows is the trainer's own (trainers.startup)."""
+def custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
+    """The per-worker function of custom trainer `package.module:function`, checked on the driver
+    without importing its module, or ValueError saying why not.
 
-    @functools.wraps(function)
-    def entered(loop_config: dict[str, Any]) -> Any:
-        startup.mark("loop_entered")
-        startup.emit(f"rank {ray.train.get_context().get_world_rank()}")
-        return function(loop_config)
-
-    return entered
-
-
-def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
-    """Import `package.module:function` and return the function, or raise ValueError saying why not.
-
-    Custom trainers: `trainer: "package.module:function"` names a function that
-    this module imports on the driver (so a typo fails before any worker starts) and hands to
-    Ray Train as the per-worker function, in place of `trainers.loop.train_loop_per_worker`. It is
-    called once per worker with the loop config (Ray Train's `train_loop_config`) the built-ins get:
+    Custom trainers: `trainer: "package.module:function"` names a function that Ray Train runs on
+    every worker in place of `trainers.loop.train_loop_per_worker`. It is called once per worker with
+    the loop config (Ray Train's `train_loop_config`) the built-ins get:
 
         loop_config["request"]  the LaunchRequest as a JSON-ready dict
                                 (`LaunchRequest.model_validate(loop_config["request"])` gives it
@@ -342,10 +328,32 @@ def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
     It reads its shard with `ray.train.get_dataset_shard("train")` and must call
     `ray.train.report` the same number of times on every rank. The function must be importable on
     every worker (installed in the cluster's environment or shipped with the job's runtime_env).
+
+    A typo fails here, before any worker starts: the module must be found on the path and its source
+    must bind the name at top level (`def`, an assignment, an import; a module `__getattr__` or a
+    compiled module is taken on trust). The module itself is imported only on the workers
+    (`run_custom_trainer`): it imports torch, which would cost the driver seconds on the way to
+    step 1 (benchmarks/overhead.py).
     """
-    module_name, _, attr = trainer.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"trainer {trainer!r} must look like 'package.module:function'")
+    module_name, attr = _split_trainer(trainer)
+    found = find_module(module_name)
+    if found is None:
+        raise ValueError(f"trainer {trainer!r}: cannot find module {module_name!r}")
+    if not _binds(found, attr):
+        raise ValueError(f"trainer {trainer!r}: module {module_name!r} has no function {attr!r}")
+    return functools.partial(run_custom_trainer, trainer)
+
+
+def run_custom_trainer(trainer: str, loop_config: dict[str, Any]) -> Any:
+    """On a worker: the start-up marks (what follows is the trainer's own), then the trainer."""
+    startup.mark("loop_entered")
+    startup.emit(f"rank {ray.train.get_context().get_world_rank()}")
+    return load_custom_trainer(trainer)(loop_config)
+
+
+def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
+    """Import `package.module:function` and return the function, or raise ValueError saying why not."""
+    module_name, attr = _split_trainer(trainer)
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
@@ -354,6 +362,38 @@ def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
     if not callable(function):
         raise ValueError(f"trainer {trainer!r}: module {module_name!r} has no function {attr!r}")
     return function
+
+
+def _split_trainer(trainer: str) -> tuple[str, str]:
+    module_name, _, attr = trainer.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"trainer {trainer!r} must look like 'package.module:function'")
+    return module_name, attr
+
+
+def _binds(found: ModuleSpec, name: str) -> bool:
+    """Whether the module's source binds `name` at top level (True when it cannot tell)."""
+    if found.origin is None or not found.origin.endswith(".py"):
+        return True  # a namespace package, a compiled or built-in module: the worker's import tells
+    try:
+        tree = ast.parse(Path(found.origin).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return True  # the worker's import gives the real error
+    bound: set[str] = set()
+    pending: list[ast.AST] = [tree]
+    while pending:  # the module's statements, into if/try/with blocks, not into functions or classes
+        node = pending.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.alias):
+            if node.name == "*":
+                return True
+            bound.add(node.asname or node.name.split(".")[0])
+        pending.extend(ast.iter_child_nodes(node))
+    return name in bound or "__getattr__" in bound
 
 
 def build_scaling_config(spec: JobSpec) -> ray.train.ScalingConfig:

@@ -15,7 +15,7 @@ bound to it. Adding a built-in trainer is one class here and its config schema t
   cosine decay to `MIN_LR_RATIO` of `lr` at `max_steps`; gradients clipped to `grad_clip`.
 
 Custom trainers (`package.module:function`) are not registered: they bring their own train loop
-(`trainers.launch.load_custom_trainer`).
+(`trainers.launch.custom_trainer`).
 
 This module imports no torch: the job driver uses the column checks, and only the workers, which
 build models and tensors, import torch (inside the methods that need it).

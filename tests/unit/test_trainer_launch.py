@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +16,7 @@ from tests.support.jobs import make_spec
 from trainers.launch import (
     TrainingFailed,
     build_scaling_config,
+    custom_trainer,
     failure_reason,
     load_custom_trainer,
     main,
@@ -77,6 +81,34 @@ def test_scaling_config_is_fixed_or_elastic(num_workers: Any, expected: Any) -> 
     assert scaling.placement_strategy == "PACK"
     spread = build_scaling_config(spec.model_copy(update={"placement": "strict_spread"}))
     assert spread.placement_strategy == "STRICT_SPREAD"
+
+
+def test_a_custom_trainer_is_checked_on_the_driver_without_importing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver finds the module and the name in its source (a typo fails before any worker
+    starts), and imports nothing: the module, which imports torch, is imported on the workers."""
+    package = tmp_path / "labtrainers"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "loops.py").write_text(
+        "raise SystemExit('imported on the driver')\n"
+        "from math import sqrt as helper\n"
+        "try:\n    import torch\nexcept ImportError:\n    torch = None\n"
+        "def train(config):\n    inner = 1\n    return inner\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    function = custom_trainer("labtrainers.loops:train")
+    assert isinstance(function, functools.partial) and function.args == ("labtrainers.loops:train",)
+    assert "labtrainers.loops" not in sys.modules
+    assert callable(custom_trainer("labtrainers.loops:helper"))  # an import binds a name too
+    with pytest.raises(ValueError, match=r"module 'labtrainers\.loops' has no function 'inner'"):
+        custom_trainer("labtrainers.loops:inner")  # a local of a function is not the module's
+    with pytest.raises(ValueError, match=r"cannot find module 'labtrainers\.nope'"):
+        custom_trainer("labtrainers.nope:train")
+    with pytest.raises(ValueError, match=r"package\.module:function"):
+        custom_trainer("labtrainers.loops")
 
 
 def test_load_custom_trainer() -> None:
