@@ -486,6 +486,16 @@ def split_table(jobs: list[dict[str, Any]], custom: list[dict[str, Any]]) -> lis
     ]
     for row, (what, _, _) in enumerate(SPLITS):
         lines.append(f"| {what} | {cell(jobs, row)} | {cell(custom, row)} |")
+    own = [
+        run["phases"]["rank 0: step_1_done"] - run["phases"]["rank 0: loop_entered"]
+        for run in custom
+        if {"rank 0: step_1_done", "rank 0: loop_entered"} <= run["phases"].keys()
+    ]
+    if own:
+        lines.append(
+            f"| the custom trainer's own code, entered to the end of its step 1 | - | "
+            f"{statistics.median(own):.2f} ({_figures(own, '{:.2f}')}) |"
+        )
     total = [job["first_step_s"] for job in jobs]
     custom_total = [run["first_step_s"] for run in custom if run["first_step_s"] is not None]
     lines.append(
