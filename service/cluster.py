@@ -152,13 +152,18 @@ class RayBackend:
         except (httpx.HTTPError, ValueError, KeyError, AttributeError) as err:
             problem = f"cannot read the Ray cluster status at {self.dashboard_url}: {err}"
         if problem != self._usage_problem:
-            self._usage_problem = problem
             if problem is not None:
                 logger.warning(
                     "%s: capacity counts Apiary's own jobs only (other Ray users' use is not seen)",
                     problem,
                     extra={"action": "ray_usage_unknown"},
                 )
+            else:  # e.g. a fresh cluster's first report (the monitor writes it after a few seconds)
+                logger.info(
+                    "Ray's load report is read: other Ray users' use is seen",
+                    extra={"action": "ray_usage_known"},
+                )
+            self._usage_problem = problem
         return report
 
     def wait_for_nodes(self, timeout_s: float = 60) -> ClusterSnapshot:

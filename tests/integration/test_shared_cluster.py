@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 
 from service.cluster import RayBackend, auth_env
+from service.policy import ClusterSnapshot
 from tests.integration.conftest import Service
 from tests.support.ray_cluster import RayCluster, ray_cluster
 from tests.support.wait import wait_until
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 # Another Ray user: a driver that holds 3 CPU and one `shared_slots` (a name the dashboard's report
 # spells `sharedSlots`) in a placement group, and asks for one it can never get, until it is killed.
@@ -33,7 +34,7 @@ from ray.util.placement_group import placement_group
 
 ray.init(address=sys.argv[1])
 held = placement_group([{"CPU": 2}, {"CPU": 1, "shared_slots": 1}], strategy="PACK")
-ray.get(held.ready(), timeout=60)
+ray.get(held.ready(), timeout=120)
 never = placement_group([{"CPU": 100}], strategy="STRICT_SPREAD")
 print("holding", flush=True)
 time.sleep(3600)
@@ -84,15 +85,16 @@ def test_a_gang_waits_while_another_ray_user_holds_the_cpus_and_starts_once_they
     other_user: subprocess.Popen[str],
     classification_dataset: str,
 ) -> None:
-    # Ray's load report is rewritten every few seconds.
-    node = wait_until(
-        lambda: next((n for n in backend.snapshot().nodes if (n.used or {}).get("CPU", 0) >= 3), None),
-        timeout_s=60,
-        interval_s=0.5,
-        what="Ray reporting the other user's placement group",
-    )
+    # Ray's load report is rewritten every few seconds: its use and its pending demand.
+    def reported() -> ClusterSnapshot | None:
+        snapshot = backend.snapshot()
+        used = snapshot.nodes[0].used or {}
+        return snapshot if used.get("CPU", 0) >= 3 and snapshot.pending else None
+
+    snapshot = wait_until(reported, timeout_s=60, interval_s=0.5, what="Ray reporting the other user")
+    node = snapshot.nodes[0]
     assert node.resources["CPU"] == 4 and node.used == {"CPU": 3, "head": 0, "shared_slots": 1}
-    assert "1 placement group(s) STRICT_SPREAD of [1 x 100 CPU]" in backend.snapshot().pending
+    assert "1 placement group(s) STRICT_SPREAD of [1 x 100 CPU]" in snapshot.pending, snapshot.pending
 
     service = start_service(capacity=backend)
     spec: dict[str, Any] = {
