@@ -1,7 +1,11 @@
 """Ray, as the service sees it: a cluster to start or join, capacity to read, jobs to submit.
 
-`RayBackend` talks to any Ray cluster through its dashboard's HTTP APIs (Jobs API
-and State API), so the service never becomes a Ray driver itself. `LocalRay`
+`RayBackend` talks to any Ray cluster through its dashboard's HTTP APIs (Jobs API,
+State API and the cluster status), so the service never becomes a Ray driver itself.
+Capacity is each alive node's total (State API) and what Ray reports in use on it
+by anyone: the autoscaler monitor's load report (`/api/cluster_status`, rewritten
+every few seconds), from which the policy tells other Ray users' use from
+Apiary's own (service.policy glossary: foreign use). `LocalRay`
 starts the embedded default: `ray start --head --block` as its own process
 group, with explicit free ports (Redis may hold 6379), its temp folder under the
 data dir and more logical CPUs than cores (so Ray Data's read tasks run beside
@@ -23,16 +27,20 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
 from service.errors import ClusterUnavailable
-from service.policy import ClusterSnapshot, NodeCapacity
+from service.policy import ClusterSnapshot, NodeCapacity, format_resources
+
+if TYPE_CHECKING:
+    from ray.util.state.common import NodeState
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +99,9 @@ class RayBackend:
         from ray.job_submission import JobSubmissionClient
 
         self.dashboard_url = dashboard_url.rstrip("/")
+        token = auth_token_path.read_text().strip() if auth_token_path is not None else auth_token
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._usage_problem: str | None = None  # why Ray's use is not known, as last logged
         try:
             self._jobs = JobSubmissionClient(self.dashboard_url)
         except Exception as err:  # Ray raises plain exceptions (ConnectionError, RuntimeError)
@@ -105,13 +116,55 @@ class RayBackend:
             nodes = list_nodes(address=self.dashboard_url, detail=True, raise_on_missing_output=False)
         except Exception as err:
             raise ClusterUnavailable(f"cannot list Ray nodes at {self.dashboard_url}: {err}") from err
+        alive = [node for node in nodes if node.state == "ALIVE"]
+        report = self._load_report()
+        by_key = _report_keys(alive, report)
         return ClusterSnapshot(
             nodes=tuple(
-                NodeCapacity(node_id=node.node_id, resources=_schedulable(node.resources_total or {}))
-                for node in nodes
-                if node.state == "ALIVE"
-            )
+                NodeCapacity(
+                    node_id=node.node_id,
+                    resources=(total := _schedulable(node.resources_total or {})),
+                    used=_node_used(total, by_key.get(node.node_id)),
+                )
+                for node in alive
+            ),
+            pending=_pending_demand(report),
         )
+
+    def _load_report(self) -> Mapping[str, object]:
+        """The autoscaler monitor's load report, or {} (logged once) where there is none: then capacity
+        is the total less Apiary's own gangs, as before shared clusters were seen."""
+        problem = None
+        report: Mapping[str, object] = {}
+        try:
+            response = httpx.get(
+                f"{self.dashboard_url}/api/cluster_status", headers=self._headers, timeout=10
+            )
+            response.raise_for_status()
+            status = response.json()["data"].get("clusterStatus") or {}
+            report = status.get("loadMetricsReport") or {}
+            age_s = time.time() - float(status.get("time", 0.0))
+            if not report:
+                # Autoscaler v2 (RAY_enable_autoscaler_v2) writes no such report.
+                problem = "the Ray cluster's monitor publishes no load report"
+            elif age_s > REPORT_MAX_AGE_S:
+                problem, report = f"the Ray cluster's load report is {age_s:.0f} s old", {}
+        except (httpx.HTTPError, ValueError, KeyError, AttributeError) as err:
+            problem = f"cannot read the Ray cluster status at {self.dashboard_url}: {err}"
+        if problem != self._usage_problem:
+            if problem is not None:
+                logger.warning(
+                    "%s: capacity counts Apiary's own jobs only (other Ray users' use is not seen)",
+                    problem,
+                    extra={"action": "ray_usage_unknown"},
+                )
+            else:  # e.g. a fresh cluster's first report (the monitor writes it after a few seconds)
+                logger.info(
+                    "Ray's load report is read: other Ray users' use is seen",
+                    extra={"action": "ray_usage_known"},
+                )
+            self._usage_problem = problem
+        return report
 
     def wait_for_nodes(self, timeout_s: float = 60) -> ClusterSnapshot:
         """A fresh cluster's dashboard answers a moment before its head node registers."""
@@ -195,6 +248,82 @@ def stop_job(backend: ClusterBackend, submission_id: str) -> None:
             err,
             extra={"action": "ray_stop_failed", "submission_id": submission_id},
         )
+
+
+# Older than this, Ray's load report (rewritten every AUTOSCALER_UPDATE_INTERVAL_S, 5 s by default) is
+# a monitor that stopped: ignored. Generous, as the head's clock and the service's may differ a little.
+REPORT_MAX_AGE_S = 60.0
+
+
+def _report_keys(nodes: list[NodeState], report: Mapping[str, object]) -> dict[str, Mapping[str, object]]:
+    """Node id -> its entry of the report's `usageByNode`, which Ray keys by node id (`ray start`
+    clusters) or by node IP (cloud providers, KubeRay: an IP shared by two nodes is not attributed)."""
+    usage = report.get("usageByNode")
+    if not isinstance(usage, Mapping):
+        return {}
+    ips = Counter(node.node_ip for node in nodes)
+    found = {}
+    for node in nodes:
+        entry = usage.get(node.node_id)
+        if entry is None and ips[node.node_ip] == 1:
+            entry = usage.get(node.node_ip)
+        if isinstance(entry, Mapping):
+            found[node.node_id] = entry
+    return found
+
+
+def _node_used(total: Mapping[str, float], entry: Mapping[str, object] | None) -> dict[str, float] | None:
+    """What the report says is in use of each of the node's resources (its `[used, total]` pairs),
+    None when the node is not in it. The dashboard camelCases the report's keys, resource names
+    included (`my_res` comes as `myRes`): each is matched through the node's own names."""
+    if entry is None:
+        return None
+    used = {}
+    for key, amount in total.items():
+        pair = entry.get(_camel_case(key))
+        in_use = float(pair[0]) if isinstance(pair, list) and pair else 0.0
+        used[key] = min(max(0.0, in_use), amount)
+    return used
+
+
+def _camel_case(name: str) -> str:
+    # What the dashboard's rest_response does to every key (ray.dashboard.utils.to_camel_case).
+    first, *rest = name.split("_")
+    return first + "".join(part.title() for part in rest)
+
+
+def _pending_demand(report: Mapping[str, object]) -> tuple[str, ...]:
+    """The report's demand that Ray cannot place yet, as text: tasks and actors (`resourceDemand`),
+    placement groups (`pgDemand`) and `ray.autoscaler.sdk.request_resources` (`requestDemand`).
+    Their resource names come as Ray spells them (the dashboard leaves dicts inside lists alone)."""
+
+    def bundles(value: object) -> str:
+        return ", ".join(f"{count} x {format_resources(bundle)}" for bundle, count in _counted(value))
+
+    pending = [
+        f"{count} task(s)/actor(s) of {format_resources(bundle)}"
+        for bundle, count in _counted(report.get("resourceDemand"))
+    ]
+    pending += [
+        f"{count} placement group(s) {group.get('strategy', '?')} of [{bundles(group.get('bundles'))}]"
+        for group, count in _counted(report.get("pgDemand"))
+    ]
+    pending += [
+        f"{count} request(s) (request_resources) of {format_resources(bundle)}"
+        for bundle, count in _counted(report.get("requestDemand"))
+    ]
+    return tuple(pending)
+
+
+def _counted(value: object) -> list[tuple[Mapping[str, Any], int]]:
+    """The report's `[[item, count], ...]` lists, skipping what does not have that shape."""
+    if not isinstance(value, list):
+        return []
+    return [
+        (entry[0], int(entry[1]))
+        for entry in value
+        if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], Mapping)
+    ]
 
 
 def _schedulable(resources: dict[str, float]) -> dict[str, float]:

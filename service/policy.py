@@ -11,8 +11,15 @@ Glossary:
   it also holds what it may grow into (its extra workers, placed after every fixed part), since Ray
   Train grows the group whenever capacity is free and never shrinks it for another job.
 - capacity: each alive node's schedulable resources. Active gangs (admitted, running or stopping)
-  are placed first-fit node by node; what is left is free. A gang that fits the cluster's sum but no
-  node layout does not fit.
+  are placed first-fit node by node; what is left, less what other Ray users hold, is free. A gang
+  that fits the cluster's sum but no node layout does not fit.
+- foreign use: what Ray reports in use (`NodeCapacity.used`) that Apiary's active gangs do not
+  explain: other users' actors, tasks and placement groups on a shared cluster. Per resource, the
+  cluster holds `max(0, used - what the active gangs may hold)` of it (an elastic gang counts with
+  its growth; Ray Data's tasks of a job stay within its `extra`); it is laid on the nodes where Ray's
+  use exceeds what the active gangs hold there as placed above. A gang admitted but not placed by
+  Ray yet only makes the foreign use look smaller for a moment, never larger; a gang that has just
+  ended may look foreign until Ray's next report (seconds). A snapshot without `used` has none.
 - share: a queue's guaranteed fraction of each resource of the cluster (`service.queues`). A queue
   whose active gangs together exceed its share on some resource is borrowing.
 - head: the first job of a queue, in queue order, that cannot start now.
@@ -98,11 +105,17 @@ _SHAPES: dict[tuple[object, ...], int] = {}
 class NodeCapacity:
     node_id: str
     resources: Resources
+    # What Ray reports in use on the node, by anyone (Apiary's own jobs included); None: not known,
+    # and then capacity is the total less Apiary's own gangs (glossary: foreign use).
+    used: Resources | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterSnapshot:
     nodes: tuple[NodeCapacity, ...]
+    # What Ray reports it cannot place yet (tasks, actors, placement groups: anyone's, Apiary's own
+    # too, which is why the policy does not count it), as text for the log and for people.
+    pending: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +195,7 @@ class Decisions:
     preempt: tuple[Preemption, ...] = ()
     reserve: tuple[Reservation, ...] = ()
     waiting: Mapping[int, Wait] = field(default_factory=dict)
+    foreign: Mapping[str, float] = field(default_factory=dict)  # what other Ray users hold (glossary)
 
 
 Policy = Callable[..., Decisions]
@@ -305,6 +319,7 @@ def decide(
         preempt=tuple(preemptions),
         reserve=tuple(Reservation(job_id=r.gang.job_id, at=r.at) for r in reservations),
         waiting=waiting,
+        foreign=state.foreign_total,
     )
 
 
@@ -364,6 +379,7 @@ class _State:
     queues: QueuesConfig
     rules: Rules = RULES
     failed_shapes: set[int] = field(default_factory=set)
+    foreign_total: dict[str, float] = field(default_factory=dict)  # held by other Ray users
     # (queue, shape) -> within the queue's share; a queue's entries go when its usage changes.
     within: dict[tuple[str, int], bool] = field(default_factory=dict)
 
@@ -409,6 +425,7 @@ class _State:
         for entry in state.active:
             # What elastic gangs may grow into is not free for queued gangs (glossary: elastic gang).
             entry.placed += _place(state.free, entry.gang.growth(), allow_partial=True, hints=hints)
+        state.foreign_total = _take_foreign(cluster.nodes, state.free, active)
         state.free_total = _sum(state.free)
         return state
 
@@ -615,6 +632,8 @@ def _explain(
     reserved_at = {reserved.gang.job_id: reserved.at for reserved in reservations}
     etas = _estimate_etas(lines, started=started, state=state, now=now)
     free_text = _fmt(state.free_total)
+    if state.foreign_total:
+        free_text += f" (other Ray users hold {_fmt(state.foreign_total)})"
     waiting: dict[int, Wait] = {}
     for queue, line in lines.items():
         waiting_line = [gang for gang in line if gang.job_id not in started]
@@ -696,6 +715,7 @@ def _one_line(
     free = [dict(node.resources) for node in cluster.nodes]
     for gang in active:
         _place(free, gang.bundles(), allow_partial=True)
+    _take_foreign(cluster.nodes, free, active)
     free_total = _sum(free)
     admitted: list[int] = []
     waiting: dict[int, Wait] = {}
@@ -739,6 +759,42 @@ def fits_empty_cluster(cluster: ClusterSnapshot, gang: Gang) -> bool:
 
 def capacity_text(cluster: ClusterSnapshot) -> str:
     return f"{len(cluster.nodes)} node(s) with {_fmt(_sum([dict(n.resources) for n in cluster.nodes]))}"
+
+
+def _take_foreign(
+    nodes: Sequence[NodeCapacity], free: list[dict[str, float]], active: Sequence[Gang]
+) -> dict[str, float]:
+    """Take what other Ray users hold off `free` (each node's capacity after Apiary's active gangs were
+    placed on it); returns the cluster's sum of it (glossary: foreign use). Without every node's
+    `used`, nothing: a gang's own placement on a node that Ray has not reported could look foreign."""
+    if not nodes or any(node.used is None for node in nodes):
+        return {}
+    used = [
+        {key: min(max(0.0, node.used.get(key, 0.0)), total) for key, total in node.resources.items()}
+        for node in nodes
+        if node.used is not None
+    ]
+    claimed = _sum(itertools.chain.from_iterable([*gang.bundles(), *gang.growth()] for gang in active))
+    foreign = {key: max(0.0, amount - claimed.get(key, 0.0)) for key, amount in _sum(used).items()}
+    # Ray's use beyond what the gangs hold on each node as placed: where the foreign use can be.
+    excess = [
+        {
+            key: max(0.0, amount - (node.resources[key] - node_free.get(key, 0.0)))
+            for key, amount in node_used.items()
+        }
+        for node, node_free, node_used in zip(nodes, free, used, strict=True)
+    ]
+    excess_total = _sum(excess)
+    taken: dict[str, float] = {}
+    for node_free, node_excess in zip(free, excess, strict=True):
+        for key, amount in node_excess.items():
+            if amount <= EPSILON or foreign[key] <= EPSILON:
+                continue
+            # Never more than Ray's use beyond Apiary's there, so a node's free never goes below zero.
+            share = amount * min(1.0, foreign[key] / excess_total[key])
+            node_free[key] = node_free.get(key, 0.0) - share
+            taken[key] = taken.get(key, 0.0) + share
+    return {key: amount for key, amount in taken.items() if amount > EPSILON}
 
 
 def _place(
@@ -826,6 +882,9 @@ def _subtract(into: dict[str, float], amounts: Resources) -> None:
 def _fmt(resources: Resources) -> str:
     parts = [f"{amount:g} {key}" for key, amount in sorted(resources.items()) if abs(amount) > EPSILON]
     return ", ".join(parts) or "nothing"
+
+
+format_resources = _fmt  # "2 CPU, 1 GPU": the same words in every message
 
 
 def _gang_text(gang: Gang) -> str:

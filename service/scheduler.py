@@ -9,7 +9,8 @@ expiry, renewed every tick; another replica takes over once it expires):
    queue (or fails, when it ran out of `max_runtime_s`);
 2. enforce: a running job past its `max_runtime_s` is told to checkpoint and stop; a job told so
    `preempt_grace_s` ago that has not stopped is stopped (its event says how much work that lost);
-3. schedule: read every unfinished job in one query and the cluster (its alive nodes); requeue a
+3. schedule: read every unfinished job in one query and the cluster (its alive nodes, and what Ray
+   reports in use on them: other Ray users' use is not Apiary's to admit, service.policy); requeue a
    started job whose gang no longer fits them (a node left: `requeue_unplaceable`); hold every
    queued job while checkpoint storage is a local path on more than one node; call the pure
    `policy.decide`, then preempt (running -> preempting: the trainers hear it in the reply to their
@@ -69,6 +70,7 @@ from service.policy import (
     decide,
     dominant_share,
     fits_empty_cluster,
+    format_resources,
 )
 from service.protocol import (
     HEARTBEAT_S,
@@ -118,6 +120,8 @@ class Scheduler:
         self._templates: dict[int, Gang] = {}  # what a job's (immutable) spec says of its gang
         self._max_steps: dict[int, int] = {}
         self._unplaceable_since: dict[int, float] = {}  # started jobs whose gang fits no more, since
+        # What the log last said of other Ray users' use and of Ray's pending demand (said on change).
+        self._others_said = f"other Ray users hold {format_resources({})}"
         self._stop = threading.Event()
         self._draining = threading.Event()  # a clean stop is under way: admit nothing
         self._wake = threading.Event()
@@ -560,12 +564,32 @@ class Scheduler:
                 gang.job_id: Wait(position, unreachable, None) for position, gang in enumerate(held, 1)
             }
             decisions = replace(decisions, waiting={**decisions.waiting, **waiting})
+        self._note_others(decisions, cluster)
         for victim in decisions.preempt:
             self._preempt(victim)
         for job_id in decisions.admit:
             self._admit_one(job_id)
         self._store_waiting(decisions, before=waiting_before, admitted=set(decisions.admit))
         return decisions
+
+    def _note_others(self, decisions: Decisions, cluster: ClusterSnapshot) -> None:
+        """Log what other Ray users hold and what Ray cannot place yet, when either changes: on a shared
+        cluster, the reason why Apiary admits less than its nodes hold (the waiting reasons say it too)."""
+        said = f"other Ray users hold {format_resources(decisions.foreign)}"
+        if cluster.pending:
+            said += f"; Ray cannot place yet: {'; '.join(cluster.pending)}"
+        if said == self._others_said:
+            return
+        self._others_said = said
+        logger.info(
+            "%s",
+            said,
+            extra={
+                "action": "cluster_shared",
+                "foreign": dict(decisions.foreign),
+                "pending": cluster.pending,
+            },
+        )
 
     def _forget_changed(self, rows: Sequence[Any]) -> None:
         """Drop the templates of the jobs whose queue or priority an admin changed: learned again."""

@@ -16,7 +16,7 @@ import yaml
 
 from api.app import create_app
 from api.server import BackgroundServer
-from service.cluster import free_port
+from service.cluster import ClusterBackend, free_port
 from service.handoff import job_prefix
 from service.runtime import Runtime
 from service.settings import Settings
@@ -79,12 +79,13 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
         *,
         queues: dict[str, Any] | None = None,
         nodes: list[dict[str, float]] | None = None,
+        capacity: ClusterBackend | None = None,
         log_level: str = "warning",
         run_scheduler: bool = False,
         **settings: Any,
     ) -> Service:
         """`settings` override the Settings (e.g. database_url, shared_filesystem); `run_scheduler` runs
-        its loop."""
+        its loop; `capacity`: a real cluster whose snapshot the fake backend gives instead of `nodes`."""
         port = free_port()
         queues_file = None
         if queues is not None:
@@ -103,7 +104,9 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
                 **settings,
             },
         )
-        backend = FakeBackend(nodes=nodes) if nodes is not None else FakeBackend()
+        backend = FakeBackend(capacity=capacity)
+        if nodes is not None:
+            backend.nodes = nodes
         runtime = Runtime(config, backend=backend, run_scheduler=run_scheduler)
         server = BackgroundServer(
             create_app(runtime=runtime), host="127.0.0.1", port=port, log_level=log_level

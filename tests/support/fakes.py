@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from service.cluster import RayJobInfo, RayJobStatus
+from service.cluster import ClusterBackend, RayJobInfo, RayJobStatus
 from service.errors import ClusterUnavailable
 from service.handoff import read_launch, read_token
 from service.policy import ClusterSnapshot, NodeCapacity
@@ -26,10 +26,15 @@ class FakeBackend:
     # The runtime_env of the last submission.
     env_vars: dict[str, str] = field(default_factory=dict)
     py_modules: list[str] | None = None
+    # A real cluster to read capacity from (instead of `nodes`), where capacity is under test and
+    # running the jobs is not.
+    capacity: ClusterBackend | None = None
 
     def snapshot(self) -> ClusterSnapshot:
         if not self.available:
             raise ClusterUnavailable("fake cluster is down")
+        if self.capacity is not None:
+            return self.capacity.snapshot()
         return ClusterSnapshot(
             nodes=tuple(NodeCapacity(node_id=f"node-{i}", resources=r) for i, r in enumerate(self.nodes))
         )

@@ -392,3 +392,61 @@ def test_fifo_blocks_behind_its_head_and_greedy_does_not() -> None:
     line = [gang(1, 6), gang(2, 5), gang(3, 2)]
     assert decide_fifo(cluster=cluster(8), queued=line, active=[], now=NOW).admit == (1,)
     assert decide_greedy(cluster=cluster(8), queued=line, active=[], now=NOW).admit == (1, 3)
+
+
+# -- shared clusters: what other Ray users hold ------------------------------------------------------
+
+
+def shared(*nodes: tuple[float, float | None]) -> ClusterSnapshot:
+    """Nodes of (CPU, CPU that Ray reports in use by anyone; None: not reported)."""
+    return ClusterSnapshot(
+        nodes=tuple(
+            NodeCapacity(
+                node_id=f"n{i}", resources={"CPU": cpu}, used=None if used is None else {"CPU": used}
+            )
+            for i, (cpu, used) in enumerate(nodes)
+        )
+    )
+
+
+def test_what_other_ray_users_hold_is_not_free_and_the_reason_says_so() -> None:
+    big = gang(1, 6, queue="full-scale")
+    assert run(shared((4, 0), (4, 0)), [big]).admit == (1,)
+    decisions = run(shared((4, 3), (4, 0)), [big])
+    assert decisions.admit == () and decisions.foreign == {"CPU": 3}
+    assert "free now 5 CPU (other Ray users hold 3 CPU)" in decisions.waiting[1].reason
+    assert run(shared((4, 3), (4, 0)), [gang(2, 5, queue="full-scale")]).admit == (2,)
+    # The baselines see the same capacity.
+    assert decide_greedy(cluster=shared((4, 3), (4, 0)), queued=[big], active=[], now=NOW).admit == ()
+
+
+def test_apiarys_own_gangs_in_rays_use_are_not_counted_twice() -> None:
+    mine = running(1, 4, queue="full-scale")
+    assert run(shared((8, 4)), [gang(2, 4, queue="full-scale")], [mine]).admit == (2,)
+    decisions = run(shared((8, 6)), [gang(2, 4, queue="full-scale")], [mine])
+    assert decisions.admit == () and decisions.foreign == {"CPU": 2}
+
+
+def test_a_gang_admitted_but_not_yet_placed_by_ray_still_holds_its_capacity() -> None:
+    starting = gang(1, 4, queue="full-scale")  # admitted: Ray reports none of it in use yet
+    decisions = run(shared((8, 0)), [gang(2, 5, queue="full-scale")], [starting])
+    assert decisions.admit == () and decisions.foreign == {}
+
+
+def test_an_elastic_gangs_growth_in_rays_use_is_its_own() -> None:
+    grown = elastic(1, 2, 4, started_at=NOW - 60)  # min 2, grew to 4 workers
+    decisions = run(shared((8, 4)), [gang(2, 4, queue="full-scale")], [grown])
+    assert decisions.admit == (2,) and decisions.foreign == {}
+
+
+def test_other_users_use_lies_on_the_node_where_rays_use_exceeds_apiarys() -> None:
+    mine = running(1, 4, queue="full-scale")  # placed on n0
+    # Ray: n0 holds Apiary's 4 CPU, n1 holds 3 CPU of someone else's: a 2-CPU worker fits nowhere.
+    two = Gang(job_id=2, queue="full-scale", priority=0, num_workers=1, per_worker={"CPU": 2}, submitted_at=2)
+    decisions = run(shared((4, 4), (4, 3)), [two], [mine])
+    assert decisions.admit == () and decisions.foreign == {"CPU": 3}
+    assert run(shared((4, 4), (4, 2)), [two], [mine]).admit == (2,)
+
+
+def test_without_rays_use_of_every_node_capacity_is_the_total_less_apiarys_gangs() -> None:
+    assert run(shared((4, 3), (4, None)), [gang(1, 6, queue="full-scale")]).admit == (1,)
