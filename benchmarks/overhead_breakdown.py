@@ -248,7 +248,7 @@ def run_windows(
 ) -> dict[str, Any]:
     """`cores`: (the ranks', everyone else's) for the isolated window, from `core_split`."""
     rank_cores, other_cores = cores
-    serve = Serve(workdir / "apiary")
+    serve = Serve(workdir / "apiary", data_root=workdir)
     windows: list[dict[str, Any]] = []
     try:
         serve.wait_healthy()

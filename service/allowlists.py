@@ -25,11 +25,11 @@ import posixpath
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from importlib.machinery import ModuleSpec, PathFinder
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from service.errors import DatasetError, InvalidSpec
+from service.protocol import find_module
 from service.spec import BUILTIN_TRAINERS, DataFormat
 from service.storage import MAX_LIST_DEPTH, MAX_LIST_ENTRIES, DatasetMissing, list_shards
 
@@ -57,25 +57,6 @@ def check_trainer(trainer: str, *, allowed_modules: Sequence[str]) -> None:
             f"({shown}); built-ins: {', '.join(sorted(BUILTIN_TRAINERS))}",
             field="trainer",
         )
-
-
-def find_module(name: str) -> ModuleSpec | None:
-    """The spec of module `name` as the path finders see it, found without importing any package."""
-    found: ModuleSpec | None = None
-    path: list[str] | None = None
-    parts = name.split(".")
-    for depth in range(1, len(parts) + 1):
-        if depth > 1:
-            if found is None or found.submodule_search_locations is None:
-                return None  # a parent that is a plain module (or missing) has no submodules
-            path = list(found.submodule_search_locations)
-        try:
-            found = PathFinder.find_spec(".".join(parts[:depth]), path)
-        except (ImportError, ValueError):
-            return None
-        if found is None:
-            return None
-    return found
 
 
 # -- datasets -------------------------------------------------------------------------------------------

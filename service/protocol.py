@@ -32,6 +32,7 @@ import importlib.util
 import re
 import sys
 from dataclasses import dataclass
+from importlib.machinery import ModuleSpec, PathFinder
 from pathlib import Path
 from typing import Annotated
 
@@ -109,6 +110,26 @@ def code_modules() -> list[str]:
     if found is None or not found.submodule_search_locations:
         raise RuntimeError("the trainers package is not installed beside the service")
     return [str(Path(__file__).parent), str(next(iter(found.submodule_search_locations)))]
+
+
+def find_module(name: str) -> ModuleSpec | None:
+    """The spec of module `name` as the path finders see it, found without importing any package (the
+    API checks a custom trainer with it, and so does the job's driver: neither runs the trainer's code)."""
+    found: ModuleSpec | None = None
+    path: list[str] | None = None
+    parts = name.split(".")
+    for depth in range(1, len(parts) + 1):
+        if depth > 1:
+            if found is None or found.submodule_search_locations is None:
+                return None  # a parent that is a plain module (or missing) has no submodules
+            path = list(found.submodule_search_locations)
+        try:
+            found = PathFinder.find_spec(".".join(parts[:depth]), path)
+        except (ImportError, ValueError):
+            return None
+        if found is None:
+            return None
+    return found
 
 
 def launch_env(pointer: LaunchPointer) -> dict[str, str]:

@@ -63,10 +63,16 @@ from ray.train.v2.api.config import FailureConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
-from service.allowlists import find_module
 from service.errors import one_line
 from service.handoff import LOOP_CONFIG_KEY, pointer_from_env, read_launch, read_token
-from service.protocol import LAUNCH_ENV_VAR, LaunchPointer, LaunchRequest, clip_reason, error_line
+from service.protocol import (
+    LAUNCH_ENV_VAR,
+    LaunchPointer,
+    LaunchRequest,
+    clip_reason,
+    error_line,
+    find_module,
+)
 from service.spec import BUILTIN_TRAINERS, JobSpec
 from service.storage import checkpoint_uri, resolve_uri
 from trainers import startup
