@@ -140,7 +140,16 @@ def shard_model(
     else:
         raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
     blocks = getattr(model, "blocks", None)
-    if fsdp_units(options, device=device) is FsdpUnits.BLOCKS and isinstance(blocks, nn.ModuleList):
+    units = fsdp_units(options, device=device)
+    logger.info(
+        "fsdp: units %s (asked: %s, on %s), reshard_after_forward %s",
+        units.value,
+        options.units.value,
+        device.type,
+        options.reshard_after_forward,
+        extra={"action": "fsdp_wrapped", "units": units.value},
+    )
+    if units is FsdpUnits.BLOCKS and isinstance(blocks, nn.ModuleList):
         for block in blocks:
             fully_shard(
                 block, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=inner
