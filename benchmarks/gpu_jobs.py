@@ -1,7 +1,7 @@
 """One-worker DDP and FSDP jobs, bf16, through `apiary serve`: the GPU node's check of the whole path.
 
     .venv/bin/python benchmarks/gpu_jobs.py          # starts `apiary serve` (its own local Ray) in a temp dir
-    .venv/bin/python benchmarks/gpu_jobs.py --url http://127.0.0.1:8000   # a service already running
+    .venv/bin/python benchmarks/gpu_jobs.py --url http://127.0.0.1:8000 --dataset DIR   # a running service
     .venv/bin/python benchmarks/gpu_jobs.py --cpu    # a rehearsal on a machine without a GPU
 
 `benchmarks/gpu_check.sh` runs this. Each job is the same built-in `gpt` (the small one of
@@ -83,18 +83,26 @@ def service(url: str | None, folder: Path) -> Iterator[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="a running apiary serve (default: start one)")
+    parser.add_argument(
+        "--dataset",
+        type=Path,
+        default=None,
+        help="with --url: a folder that service may read (APIARY_DATA_ROOTS) for the token dataset",
+    )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--timeout-s", type=float, default=180, help="per job")
     parser.add_argument("--cpu", action="store_true", help="CPU workers (a rehearsal without a GPU)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="apiary-gpu-jobs-") as temporary:
         folder = Path(temporary)
-        write_demo_dataset(folder / "tokens")
+        # A started service reads datasets under its data dir (its default APIARY_DATA_ROOTS).
+        dataset = args.dataset or folder / "apiary" / "tokens"
+        write_demo_dataset(dataset)
         with service(args.url, folder) as url, ApiaryClient(url) as client:
             results = [
                 measure(
                     client,
-                    job_spec(folder / "tokens", strategy=strategy, steps=args.steps, cpu=args.cpu),
+                    job_spec(dataset, strategy=strategy, steps=args.steps, cpu=args.cpu),
                     timeout_s=args.timeout_s,
                 )
                 for strategy in ("ddp", "fsdp")
