@@ -282,22 +282,33 @@ class ElasticWorkers(Strict):
 class FsdpUnits(StrEnum):
     """How `strategy: fsdp` groups the parameters into units (one all-gather and one reduce-scatter each)."""
 
+    AUTO = "auto"  # MODEL on CPU (gloo: no overlap, so every extra unit only adds latency), BLOCKS on GPU
     BLOCKS = "blocks"  # each transformer block its own unit, then the root: the lowest peak memory
     MODEL = "model"  # the whole model one unit: the fewest collectives, full parameters during a pass
 
 
 class FsdpSpec(Strict):
-    """FSDP2 choices (`strategy: fsdp` with more than one worker; one worker has nothing to shard)."""
+    """FSDP2 choices (`strategy: fsdp` with more than one worker; one worker has nothing to shard).
+
+    The defaults are measured (benchmarks/fsdp_speed.py, benchmarks/RESULTS.md): on CPU one unit for
+    the whole model, since gloo runs collectives on the compute's own cores and so cannot hide them
+    behind compute; on GPU one unit per block, so that NCCL gathers the next block while this one runs
+    (what FSDP2's authors recommend).
+    """
 
     units: FsdpUnits = Field(
-        default=FsdpUnits.BLOCKS,
-        description="'blocks': every transformer block is its own unit (only one block's full parameters "
-        "exist at a time); 'model': one unit (fewer, larger collectives; faster for small models).",
+        default=FsdpUnits.AUTO,
+        description="'auto': 'model' on CPU, 'blocks' on GPU; 'blocks': every transformer block is its own "
+        "unit (only one block's full parameters exist at a time; with NCCL the next block's all-gather "
+        "overlaps this one's compute); 'model': one unit (the fewest collectives; full parameters during "
+        "a pass).",
     )
     reshard_after_forward: bool = Field(
         default=True,
-        description="Free each unit's gathered parameters after forward and gather them again in backward "
-        "(less memory); false keeps them until backward (one all-gather per unit and step fewer).",
+        description="Free each block unit's gathered parameters after forward and gather them again in "
+        "backward (less memory); false keeps them until backward (one all-gather per unit and step fewer). "
+        "The root unit (the whole model with units 'model') always keeps them, as FSDP2 does by default: "
+        "backward needs them first, so resharding would cost an all-gather and save no peak memory.",
     )
 
 

@@ -4,13 +4,23 @@
   all-reduces the gradients in `backward()`.
 - `fsdp`: PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`). With `fsdp.units: blocks` every
   transformer block is its own unit, then the root takes what is left (embeddings, final norm,
-  head); with `model` the whole model is one unit. Each rank keeps 1/N of every parameter (and so
-  of the optimizer state), and a unit's full parameters exist only while it runs forward or
-  backward (`fsdp.reshard_after_forward: false` keeps them from forward to backward). Wrapped here
-  rather than with Ray's `prepare_model(parallel_strategy="fsdp")`, which refuses CPU; FSDP2 works
-  with gloo. A job of exactly one worker has nothing to shard: its model runs unwrapped, as DDP's
-  single rank does (an elastic job that may grow is sharded even at one worker, so that its
-  checkpoints keep one layout whatever its size).
+  head); with `model` the whole model is one unit; `auto` (the default) is `model` on CPU and
+  `blocks` on GPU. Each rank keeps 1/N of every parameter (and so of the optimizer state), and a
+  block unit's full parameters exist only while it runs forward or backward
+  (`fsdp.reshard_after_forward: false` keeps them from forward to backward). The root unit keeps
+  its full parameters from forward to backward, as FSDP2 does by default: backward needs them
+  first, so freeing them would add an all-gather and lower no peak. Wrapped here rather than with
+  Ray's `prepare_model(parallel_strategy="fsdp")`, which refuses CPU; FSDP2 works with gloo. A job
+  of exactly one worker has nothing to shard: its model runs unwrapped, as DDP's single rank does
+  (an elastic job that may grow is sharded even at one worker, so that its checkpoints keep one
+  layout whatever its size).
+
+Why `auto` differs by device (benchmarks/fsdp_speed.py, benchmarks/RESULTS.md): each unit costs
+one all-gather in forward, one in backward (when resharded) and one reduce-scatter. NCCL runs them
+on their own streams, so FSDP2 gathers the next block while this one computes and per-block units
+cost little beside the memory they save. gloo on CPU runs them on the compute's own cores: nothing
+overlaps, every unit adds its latency, and one unit for the whole model is the fastest (0.98x DDP
+on the small gpt against 0.71x per block).
 
 This module depends on torch only (not Ray), so the same wrapping runs under Ray Train, in a plain
 `torch.distributed` script (benchmarks/fsdp_memory.py) and in tests.
@@ -101,10 +111,18 @@ def parallelize(
     return nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
 
+def fsdp_units(options: FsdpSpec, *, device: torch.device) -> FsdpUnits:
+    """The units `options` asks for on `device`: `auto` is one unit per block where collectives overlap
+    compute (CUDA, NCCL) and one unit for the whole model where they cannot (CPU, gloo)."""
+    if options.units is not FsdpUnits.AUTO:
+        return options.units
+    return FsdpUnits.BLOCKS if device.type == "cuda" else FsdpUnits.MODEL
+
+
 def shard_model(
     model: nn.Module, *, device: torch.device, options: FsdpSpec | None = None, precision: str = "fp32"
 ) -> nn.Module:
-    """FSDP2 over all ranks of the default group: with `units: blocks` each block of `model.blocks`
+    """FSDP2 over all ranks of the default group: with block units each block of `model.blocks`
     (if any) first, then the root; bf16 as FSDP2's mixed precision (see the module's docstring)."""
     # Imported here: FSDP and DTensor slow every worker's start, and DDP needs neither.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -122,13 +140,23 @@ def shard_model(
     else:
         raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
     blocks = getattr(model, "blocks", None)
-    if options.units is FsdpUnits.BLOCKS and isinstance(blocks, nn.ModuleList):
+    units = fsdp_units(options, device=device)
+    logger.info(
+        "fsdp: units %s (asked: %s, on %s), reshard_after_forward %s",
+        units.value,
+        options.units.value,
+        device.type,
+        options.reshard_after_forward,
+        extra={"action": "fsdp_wrapped", "units": units.value},
+    )
+    if units is FsdpUnits.BLOCKS and isinstance(blocks, nn.ModuleList):
         for block in blocks:
             fully_shard(
                 block, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=inner
             )
-    # The root's parameters are gathered again at once for backward: resharding them saves nothing.
-    fully_shard(model, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=root)
+    # The root's parameters are gathered again at once for backward: resharding them would cost an
+    # all-gather and lower no peak (FSDP2's own default for the root).
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=root)
     return model
 
 

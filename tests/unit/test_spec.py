@@ -39,6 +39,8 @@ def test_defaults_are_filled_and_builtin_config_is_completed() -> None:
     assert spec.dataset.format == "parquet"
     assert spec.on_anomaly == "rollback"
     assert spec.anomaly.max_rollbacks == 3 and spec.anomaly.min_steps <= spec.anomaly.window
+    # FSDP's units follow the device (trainers.parallel.fsdp_units); block units reshard after forward.
+    assert spec.fsdp.units == "auto" and spec.fsdp.reshard_after_forward is True
 
 
 @pytest.mark.parametrize(
@@ -55,6 +57,8 @@ def test_defaults_are_filled_and_builtin_config_is_completed() -> None:
         ({"trainer": "not a module"}, "trainer"),
         ({"strategy": "zero3"}, "strategy"),
         ({"precision": "fp8"}, "precision"),
+        ({"fsdp": {"units": "layers"}}, "fsdp.units"),
+        ({"fsdp": {"reshard_after_forward": "sometimes"}}, "fsdp.reshard_after_forward"),
         ({"dataset": {"uri": "file:///x", "shuffle_buffer_rows": 0}}, "dataset.shuffle_buffer_rows"),
         ({"dataset": {"uri": "relative/path"}}, "dataset.uri"),
         ({"dataset": {"uri": "file:///x", "format": "csv"}}, "dataset.format"),

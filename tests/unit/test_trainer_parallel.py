@@ -20,8 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from service.spec import FsdpSpec, JobSpec, Strategy
+from service.spec import FsdpSpec, FsdpUnits, JobSpec, Strategy
 from trainers.checkpoint import (
     SHARDED_DIR,
     STATE_FILE,
@@ -33,7 +34,8 @@ from trainers.checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
-from trainers.parallel import autocast, clip_grad_norm, is_sharded, parallelize
+from trainers.models import GPT
+from trainers.parallel import autocast, clip_grad_norm, fsdp_units, is_sharded, parallelize
 from trainers.registry import builtin_trainer
 
 GPT_CONFIG = {"vocab_size": 24, "d_model": 16, "n_layers": 2, "n_heads": 2, "warmup_steps": 2, "lr": 1e-2}
@@ -235,24 +237,60 @@ def world_of_one() -> Iterator[None]:
             dist.destroy_process_group()
 
 
+def test_fsdp_units_auto_is_one_unit_on_cpu_and_one_per_block_on_gpu() -> None:
+    # gloo on CPU cannot overlap collectives with compute: one unit has the fewest (benchmarks/fsdp_speed.py).
+    assert fsdp_units(FsdpSpec(), device=CPU) is FsdpUnits.MODEL
+    assert fsdp_units(FsdpSpec(), device=torch.device("cuda", 0)) is FsdpUnits.BLOCKS
+    for units in (FsdpUnits.BLOCKS, FsdpUnits.MODEL):
+        for device in (CPU, torch.device("cuda", 0)):
+            assert fsdp_units(FsdpSpec(units=units), device=device) is units
+
+
 def test_fsdp_shards_nothing_for_one_worker_and_its_options_shape_the_units() -> None:
     def gpt() -> torch.nn.Module:
         torch.manual_seed(0)
         return builtin_trainer(gpt_spec()).build_model(ROW_SHAPE)
 
+    def as_gpt(model: torch.nn.Module) -> GPT:
+        assert isinstance(model, GPT)  # fully_shard keeps the class (it subclasses it)
+        return model
+
+    def gathered(module: torch.nn.Module) -> bool:
+        """True when the module's registered parameters are the full ones (not DTensor shards)."""
+        return not any(isinstance(p, DTensor) for p in module.parameters())
+
     fsdp_module = FSDPModule
+    tokens = batch_for(0, rank=0, world_size=1)["tokens"][:, :-1]
     with world_of_one():
         # A job that never has more than one worker: nothing to shard, nothing to pay for it.
         alone = parallelize(gpt(), strategy=Strategy.FSDP, device=CPU, max_workers=1)
         assert not is_sharded(alone)
-        # An elastic job at one worker is sharded still: its checkpoints keep one layout.
-        grows = parallelize(gpt(), strategy=Strategy.FSDP, device=CPU, max_workers=2)
-        assert is_sharded(grows) and all(isinstance(b, fsdp_module) for b in grows.blocks)
-        # units: model, one unit: the blocks are plain modules inside the root's.
-        whole = parallelize(
-            gpt(), strategy=Strategy.FSDP, device=CPU, fsdp=FsdpSpec(units="model"), max_workers=2
-        )
-        assert is_sharded(whole) and not any(isinstance(b, fsdp_module) for b in whole.blocks)
+        # An elastic job at one worker is sharded still: its checkpoints keep one layout. The
+        # defaults on CPU (units auto): one unit, so the blocks are plain modules inside the root's.
+        grows = as_gpt(parallelize(gpt(), strategy=Strategy.FSDP, device=CPU, max_workers=2))
+        assert is_sharded(grows) and not any(isinstance(b, fsdp_module) for b in grows.blocks)
+        # The root keeps its gathered parameters from forward to backward (backward needs them first),
+        # whatever reshard_after_forward says; backward shards them again.
+        grows(tokens).sum().backward()
+        assert not gathered(grows)
+        grows(tokens)
+        assert gathered(grows)
+
+        # units: blocks, one unit per block then the root; with reshard_after_forward (the default) a
+        # block's full parameters are freed after its forward, and with false they stay until backward.
+        for reshard in (True, False):
+            blocks = as_gpt(
+                parallelize(
+                    gpt(),
+                    strategy=Strategy.FSDP,
+                    device=CPU,
+                    fsdp=FsdpSpec(units=FsdpUnits.BLOCKS, reshard_after_forward=reshard),
+                    max_workers=2,
+                )
+            )
+            assert all(isinstance(b, fsdp_module) for b in blocks.blocks)
+            blocks(tokens)
+            assert gathered(blocks.blocks[0]) is not reshard and gathered(blocks.ln_f)
 
         # bf16 as FSDP2's mixed precision: bf16 compute, fp32 output for the loss, fp32 shards kept;
         # autocast stands aside for a sharded model.
