@@ -56,7 +56,7 @@ from torch.profiler import record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.spec import FsdpSpec, FsdpUnits, JobSpec, Strategy
-from trainers.parallel import autocast, fsdp_units, is_sharded, parallelize
+from trainers.parallel import autocast, fsdp_units, is_sharded, parallelize, param_bytes
 from trainers.registry import builtin_trainer
 
 SIZES = {
@@ -75,10 +75,13 @@ VARIANTS: dict[str, tuple[Strategy, FsdpSpec | None]] = {
 }
 
 
-def default_variant(device: torch.device) -> str:
-    """The variant that the spec's defaults (`FsdpSpec()`) amount to on `device`."""
+def default_variant(size: str, *, device: torch.device, args: argparse.Namespace) -> str:
+    """The variant that the spec's defaults (`FsdpSpec()`) amount to for `size` on `device`."""
     defaults = FsdpSpec()
-    if fsdp_units(defaults, device=device) is FsdpUnits.MODEL:
+    trainer = builtin_trainer(make_spec(size, strategy=Strategy.FSDP, fsdp=defaults, args=args))
+    with torch.device("meta"):  # the parameters' sizes, without their memory
+        model = trainer.build_model({"seq_len": SEQ_LEN[size] + 1})
+    if fsdp_units(defaults, device=device, param_bytes=param_bytes(model)) is FsdpUnits.MODEL:
         return "fsdp-model"
     return "fsdp-blocks-reshard" if defaults.reshard_after_forward else "fsdp-blocks-keep"
 
@@ -331,10 +334,12 @@ def run(world_size: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return results
 
 
-def report(results: dict[str, dict[str, Any]], *, world_size: int, device: torch.device) -> None:
+def report(
+    results: dict[str, dict[str, Any]], *, world_size: int, device: torch.device, args: argparse.Namespace
+) -> None:
     sizes = sorted({key.split("/")[0] for key in results}, key=list(SIZES).index)
-    default = default_variant(device)
     for size in sizes:
+        default = default_variant(size, device=device, args=args)
         base = results[f"{size}/ddp"]
         base_rate, base_state = statistics.median(base["rate"]), base["state"][0]
         print(f"  {size} gpt {SIZES[size]}, {world_size} rank(s):")
@@ -401,10 +406,10 @@ def main() -> None:
     )
     backend = "nccl" if args.device == "cuda" else "gloo"
     print(f"{args.world_size} {backend} ranks, {args.precision}, {args.rounds} rounds of {args.steps} steps:")
-    report(run(args.world_size, args), world_size=args.world_size, device=device)
+    report(run(args.world_size, args), world_size=args.world_size, device=device, args=args)
     if args.one_worker:
         print("one worker:")
-        report(run(1, args), world_size=1, device=device)
+        report(run(1, args), world_size=1, device=device, args=args)
     print(f"load after {tuple(round(x, 1) for x in os.getloadavg())}")
     print("command: .venv/bin/python benchmarks/fsdp_speed.py " + shlex.join(sys.argv[1:]))
 

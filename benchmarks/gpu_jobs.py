@@ -72,7 +72,7 @@ def service(url: str | None, folder: Path) -> Iterator[str]:
     if url is not None:
         yield url
         return
-    serve = Serve(folder / "apiary")
+    serve = Serve(folder / "apiary", data_root=folder)
     try:
         serve.wait_healthy()
         yield serve.url
@@ -95,8 +95,8 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="apiary-gpu-jobs-") as temporary:
         folder = Path(temporary)
-        # A started service reads datasets under its data dir (its default APIARY_DATA_ROOTS).
-        dataset = args.dataset or folder / "apiary" / "tokens"
+        # A started service reads datasets under the run's folder (Serve's APIARY_DATA_ROOTS).
+        dataset = args.dataset or folder / "tokens"
         write_demo_dataset(dataset)
         with service(args.url, folder) as url, ApiaryClient(url) as client:
             results = [

@@ -282,7 +282,8 @@ class ElasticWorkers(Strict):
 class FsdpUnits(StrEnum):
     """How `strategy: fsdp` groups the parameters into units (one all-gather and one reduce-scatter each)."""
 
-    AUTO = "auto"  # MODEL on CPU (gloo: no overlap, so every extra unit only adds latency), BLOCKS on GPU
+    # MODEL on CPU for a small model (gloo: no overlap, so every extra unit only adds latency), else BLOCKS
+    AUTO = "auto"
     BLOCKS = "blocks"  # each transformer block its own unit, then the root: the lowest peak memory
     MODEL = "model"  # the whole model one unit: the fewest collectives, full parameters during a pass
 
@@ -291,14 +292,16 @@ class FsdpSpec(Strict):
     """FSDP2 choices (`strategy: fsdp` with more than one worker; one worker has nothing to shard).
 
     The defaults are measured (benchmarks/fsdp_speed.py, benchmarks/RESULTS.md): on CPU one unit for
-    the whole model, since gloo runs collectives on the compute's own cores and so cannot hide them
-    behind compute; on GPU one unit per block, so that NCCL gathers the next block while this one runs
-    (what FSDP2's authors recommend).
+    a small model (up to 64 MiB of parameters), since gloo runs collectives on the compute's own cores
+    and so cannot hide them behind compute, and one per block for a larger one (faster there, and the
+    whole model is never gathered at once); on GPU one unit per block, so that NCCL gathers the next
+    block while this one runs (what FSDP2's authors recommend).
     """
 
     units: FsdpUnits = Field(
         default=FsdpUnits.AUTO,
-        description="'auto': 'model' on CPU, 'blocks' on GPU; 'blocks': every transformer block is its own "
+        description="'auto': 'model' on CPU up to 64 MiB of parameters, 'blocks' above and on GPU; "
+        "'blocks': every transformer block is its own "
         "unit (only one block's full parameters exist at a time; with NCCL the next block's all-gather "
         "overlaps this one's compute); 'model': one unit (the fewest collectives; full parameters during "
         "a pass).",

@@ -111,12 +111,26 @@ def parallelize(
     return nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
 
-def fsdp_units(options: FsdpSpec, *, device: torch.device) -> FsdpUnits:
-    """The units `options` asks for on `device`: `auto` is one unit per block where collectives overlap
-    compute (CUDA, NCCL) and one unit for the whole model where they cannot (CPU, gloo)."""
+# `units: auto` on CPU: one unit for a model of at most this many bytes of parameters, per block above.
+# Measured (benchmarks/fsdp_speed.py, 2 gloo ranks): a 13 MB gpt ran at 0.98x DDP as one unit and
+# 0.71-0.82x with block units; a 252 MB one at 0.26x as one unit and 0.41x with block units. One unit
+# also holds the whole model's parameters during a pass, which is what sharding a large model avoids.
+AUTO_ONE_UNIT_MAX_BYTES = 64 * 2**20
+
+
+def fsdp_units(options: FsdpSpec, *, device: torch.device, param_bytes: int) -> FsdpUnits:
+    """The units `options` asks for on `device` for a model of `param_bytes`: `auto` is one unit per
+    block where collectives overlap compute (CUDA, NCCL), and where they cannot (CPU, gloo) one unit
+    for a small model (the fewest collectives) and one per block for a large one."""
     if options.units is not FsdpUnits.AUTO:
         return options.units
-    return FsdpUnits.BLOCKS if device.type == "cuda" else FsdpUnits.MODEL
+    if device.type == "cuda" or param_bytes > AUTO_ONE_UNIT_MAX_BYTES:
+        return FsdpUnits.BLOCKS
+    return FsdpUnits.MODEL
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(param.numel() * param.element_size() for param in model.parameters())
 
 
 def shard_model(
@@ -140,7 +154,7 @@ def shard_model(
     else:
         raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
     blocks = getattr(model, "blocks", None)
-    units = fsdp_units(options, device=device)
+    units = fsdp_units(options, device=device, param_bytes=param_bytes(model))
     logger.info(
         "fsdp: units %s (asked: %s, on %s), reshard_after_forward %s",
         units.value,

@@ -35,7 +35,14 @@ from trainers.checkpoint import (
     save_checkpoint,
 )
 from trainers.models import GPT
-from trainers.parallel import autocast, clip_grad_norm, fsdp_units, is_sharded, parallelize
+from trainers.parallel import (
+    AUTO_ONE_UNIT_MAX_BYTES,
+    autocast,
+    clip_grad_norm,
+    fsdp_units,
+    is_sharded,
+    parallelize,
+)
 from trainers.registry import builtin_trainer
 
 GPT_CONFIG = {"vocab_size": 24, "d_model": 16, "n_layers": 2, "n_heads": 2, "warmup_steps": 2, "lr": 1e-2}
@@ -237,13 +244,16 @@ def world_of_one() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def test_fsdp_units_auto_is_one_unit_on_cpu_and_one_per_block_on_gpu() -> None:
-    # gloo on CPU cannot overlap collectives with compute: one unit has the fewest (benchmarks/fsdp_speed.py).
-    assert fsdp_units(FsdpSpec(), device=CPU) is FsdpUnits.MODEL
-    assert fsdp_units(FsdpSpec(), device=torch.device("cuda", 0)) is FsdpUnits.BLOCKS
+def test_fsdp_units_auto_is_one_unit_for_a_small_model_on_cpu_and_one_per_block_otherwise() -> None:
+    # gloo on CPU cannot overlap collectives with compute: one unit has the fewest, which pays for a
+    # small model and not for a large one (benchmarks/fsdp_speed.py).
+    small, large = 13 * 2**20, AUTO_ONE_UNIT_MAX_BYTES + 1
+    assert fsdp_units(FsdpSpec(), device=CPU, param_bytes=small) is FsdpUnits.MODEL
+    assert fsdp_units(FsdpSpec(), device=CPU, param_bytes=large) is FsdpUnits.BLOCKS
+    assert fsdp_units(FsdpSpec(), device=torch.device("cuda", 0), param_bytes=small) is FsdpUnits.BLOCKS
     for units in (FsdpUnits.BLOCKS, FsdpUnits.MODEL):
         for device in (CPU, torch.device("cuda", 0)):
-            assert fsdp_units(FsdpSpec(units=units), device=device) is units
+            assert fsdp_units(FsdpSpec(units=units), device=device, param_bytes=large) is units
 
 
 def test_fsdp_shards_nothing_for_one_worker_and_its_options_shape_the_units() -> None:
