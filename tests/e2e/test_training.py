@@ -1,9 +1,9 @@
 """Through HTTP to a real local Ray: submit, train on 2 workers, checkpoint; preempt and resume
-exactly; cancel; fail clearly."""
+exactly; cancel; fail clearly. (What becomes of serve's local Ray when serve crashes or stops cleanly
+is checked in tests/e2e/test_recovery.py, on the way to recovering a job through each.)"""
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 import time
@@ -16,7 +16,7 @@ import torch
 from api.client import ApiaryClient, ApiaryNotFound
 from api.schemas import JobPublic
 from service.states import TERMINAL_STATES
-from tests.e2e.conftest import Served, mlp_spec, start_serve, stop_serve
+from tests.e2e.conftest import Served, mlp_spec
 from tests.support.wait import wait_until
 from trainers.checkpoint import build_model_from_checkpoint, load_checkpoint
 
@@ -153,41 +153,3 @@ def test_a_bad_dataset_fails_with_a_reason_a_user_can_act_on(client: ApiaryClien
     job = client.wait(job.id, timeout_s=180)
     assert job.state == "failed"
     assert "tokens" in job.message, job.message
-
-
-def test_a_clean_stop_of_serve_stops_its_local_ray(tmp_path: Path, postgres_url: str) -> None:
-    served = start_serve(data_dir=tmp_path / "data", database_url=postgres_url, log=tmp_path / "serve.log")
-    ray_pid = int(served.ray_state()["pid"])
-    stop_serve(served)
-    wait_until(
-        lambda: not _alive(ray_pid), timeout_s=30, interval_s=0.5, what="local Ray stopping with serve"
-    )
-    assert not (served.data_dir / "ray_cluster.json").exists()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    try:  # a zombie (exited, not yet reaped by its parent) counts as gone
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def test_local_ray_outlives_a_crash_of_serve_and_is_reused(tmp_path: Path, postgres_url: str) -> None:
-    data_dir = tmp_path / "data"
-    crashed = start_serve(data_dir=data_dir, database_url=postgres_url, log=tmp_path / "serve-1.log")
-    ray_pid = int(crashed.ray_state()["pid"])
-    crashed.process.kill()  # SIGKILL: no clean shutdown
-    crashed.process.wait(30)
-    assert _alive(ray_pid)
-
-    restarted = start_serve(data_dir=data_dir, database_url=postgres_url, log=tmp_path / "serve-2.log")
-    assert int(restarted.ray_state()["pid"]) == ray_pid
-    stop_serve(restarted)
-    wait_until(
-        lambda: not _alive(ray_pid), timeout_s=30, interval_s=0.5, what="local Ray stopping with serve"
-    )

@@ -1,4 +1,4 @@
-"""Tests that run trainers on a real local Ray cluster, one cluster per test module."""
+"""Tests that run trainers on a real local Ray cluster, one cluster for the whole `tests/ray` package."""
 
 from __future__ import annotations
 
@@ -6,11 +6,21 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.conftest import S3_ENV
 from tests.support.ray import local_ray
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ray_cluster() -> Iterator[str]:
-    """A fresh local Ray cluster for one test module; yields its GCS address."""
-    with local_ray() as address:
+    """A fresh local Ray cluster shared by the modules of `tests/ray`; yields its GCS address.
+
+    Starting and stopping a local Ray costs seconds of both cores each time, and the modules' jobs
+    leave nothing behind that another module sees (each writes under its own tmp_path). The cluster
+    stops when the package's last test is done, before `tests/e2e` starts its own.
+
+    Its job-level runtime_env carries the AWS variables of the tests' S3 server (fake credentials,
+    no endpoint), as the service's submissions do (`Settings.job_aws_env`): Train workers and Ray
+    Data tasks of tests/ray/test_s3_run.py read S3 with them; the other jobs never read them.
+    """
+    with local_ray(runtime_env={"env_vars": dict(S3_ENV)}) as address:
         yield address

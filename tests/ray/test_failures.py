@@ -1,5 +1,6 @@
 """How a run fails on a real local Ray (`trainers.launch.run`): the job's own error is not retried by Ray
-Train, whatever `max_failures` allows (`ApiaryFailurePolicy`)."""
+Train, whatever `max_failures` allows (`ApiaryFailurePolicy`), and reaches the caller with its message
+(here a data error that only the workers' batches can tell)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ pytestmark = [pytest.mark.timeout(300)]
 def test_the_jobs_own_error_fails_at_once_without_restarts(
     ray_cluster: str, tmp_path: Path, telemetry_server: TelemetryServer
 ) -> None:
+    # Labels go up to 2 but the spec says two classes: only the workers' batches can tell (the data
+    # error reaches the caller as the run's failure).
     data = write_classes(tmp_path / "classes", num_classes=3)
     spec = make_spec(
         trainer="mlp",

@@ -20,6 +20,7 @@ import torch
 from api.demo import write_shards
 from service.errors import DatasetError
 from service.protocol import error_line
+from tests.support import custom_trainer
 from tests.support.datasets import write_classes, write_tokens
 from tests.support.jobs import launch_environment, make_request, make_spec
 from tests.support.telemetry import TelemetryServer
@@ -29,7 +30,8 @@ from trainers.checkpoint import (
     checkpoint_dir_name,
     load_checkpoint,
 )
-from trainers.launch import TrainingFailed, run
+from trainers.data import inspect_dataset, iter_batches_for_rank
+from trainers.launch import run
 from trainers.loop import STEP_METRICS
 from trainers.models import GPT
 
@@ -150,41 +152,40 @@ def test_bad_dataset_fails_before_training_with_a_clear_reason(ray_cluster: str,
     assert process.stderr.rstrip("\n").splitlines()[-1] == error_line(expected)
 
 
-def test_bad_rows_fail_in_the_workers_with_the_data_error(ray_cluster: str, tmp_path: Path) -> None:
-    # Labels go up to 2 but the spec says two classes: only the workers' batches can tell.
-    data = write_classes(tmp_path / "cls", rows=64, num_classes=3)
-    spec = make_spec(trainer="mlp", dataset=data, config={"num_classes": 2}, max_steps=5)
-    with pytest.raises(TrainingFailed, match=r"label 2 is outside \[0, num_classes=2\)"):
-        run(make_request(spec, storage=tmp_path / "storage", run_name="bad-rows"))
-
-
 def test_a_custom_trainer_gets_the_dataset_and_the_deterministic_stream(
     ray_cluster: str, tmp_path: Path
 ) -> None:
     """README's custom trainer contract: `get_dataset_shard("train")` covers the epoch, and
-    `trainers.data.iter_batches_for_rank` gives each rank the same disjoint rows on every run."""
+    `trainers.data.iter_batches_for_rank` gives each rank the same disjoint rows on every run.
+
+    "Every run": one run on the workers, and the same stream read again here, in another process.
+    """
     tokens = [[row % 32, (row + 1) % 32] for row in range(96)]
     table = pa.table({"id": range(96), "tokens": pa.array(tokens, pa.list_(pa.int64()))})
     data = tmp_path / "tokens"
     write_shards(table, data.as_uri(), num_shards=3)
     out = tmp_path / "seen"
     out.mkdir()
+    spec = make_spec(
+        trainer="tests.support.custom_trainer:train",
+        name="custom",
+        dataset=data,
+        config={"out": str(out)},
+        max_steps=4,
+        batch_size=8,
+    )
+    request = make_request(spec, storage=tmp_path / "storage", run_name="custom")
+    run(request)
+    seen = [json.loads((out / f"custom-rank-{rank}.json").read_text()) for rank in (0, 1)]
 
-    def seen(run_name: str) -> list[dict[str, Any]]:
-        spec = make_spec(
-            trainer="tests.support.custom_trainer:train",
-            name="custom",
-            dataset=data,
-            config={"out": str(out)},
-            max_steps=4,
-            batch_size=8,
-        )
-        run(make_request(spec, storage=tmp_path / "storage", run_name=run_name))
-        return [json.loads((out / f"{run_name}-rank-{rank}.json").read_text()) for rank in (0, 1)]
-
-    first, second = seen("custom-1"), seen("custom-2")
-    assert sum(rank["shard_rows"] for rank in first) == 96
-    assert [rank["stream"] for rank in first] == [rank["stream"] for rank in second]
-    ids = [[row_id for _, batch in rank["stream"] for row_id in batch] for rank in first]
+    assert sum(rank["shard_rows"] for rank in seen) == 96
+    info = inspect_dataset(spec)
+    for rank in (0, 1):
+        with iter_batches_for_rank(
+            request, info, rank=rank, world_size=2, collate_fn=custom_trainer.collate
+        ) as stream:
+            again = [[epoch, batch["id"].tolist()] for epoch, batch in (next(stream) for _ in range(4))]
+        assert seen[rank]["stream"] == again
+    ids = [[row_id for _, batch in rank["stream"] for row_id in batch] for rank in seen]
     assert all(len(set(rank_ids)) == 4 * 8 for rank_ids in ids)
     assert not set(ids[0]) & set(ids[1])

@@ -1,13 +1,12 @@
 """A job on a real local Ray cluster that reads its dataset from S3 and checkpoints to S3 (moto on loopback).
 
-The cluster gets the AWS variables through its job-level runtime_env, as the service's submissions
-do (`Settings.job_aws_env`): Train workers and Ray Data tasks read S3 with them, not with whatever
-environment the raylet started with.
+The package's cluster (tests/ray/conftest.py) gets the AWS variables through its job-level runtime_env,
+as the service's submissions do (`Settings.job_aws_env`): Train workers and Ray Data tasks read S3
+with them, not with whatever environment the raylet started with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,8 @@ import torch
 
 from api.demo import token_table, write_shards
 from service.protocol import LaunchRequest
-from tests.conftest import S3, S3_ENV
+from tests.conftest import S3
 from tests.support.jobs import make_request, make_spec
-from tests.support.ray import local_ray
 from tests.support.telemetry import TelemetryServer
 from trainers.checkpoint import build_model_from_checkpoint, checkpoint_dir_name, load_checkpoint
 from trainers.launch import run
@@ -28,15 +26,8 @@ pytestmark = [pytest.mark.timeout(420)]
 GPT_CONFIG = {"vocab_size": 32, "d_model": 32, "n_layers": 1, "n_heads": 4, "warmup_steps": 2, "lr": 3e-3}
 
 
-@pytest.fixture(scope="module")
-def s3_ray_cluster(s3_server: str) -> Iterator[str]:
-    """A fresh local Ray cluster whose job-level runtime_env carries the AWS variables."""
-    with local_ray(runtime_env={"env_vars": dict(S3_ENV)}) as address:
-        yield address
-
-
 def test_gpt_reads_s3_checkpoints_to_s3_and_resumes_from_there(
-    s3_ray_cluster: str, s3: S3, telemetry_server: TelemetryServer, tmp_path: Path
+    ray_cluster: str, s3: S3, telemetry_server: TelemetryServer, tmp_path: Path
 ) -> None:
     data_uri = f"{s3.datasets_uri}/tokens"
     table = token_table(num_rows=128, seq_len=9, vocab_size=32)

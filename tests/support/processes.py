@@ -35,3 +35,15 @@ def job_driver(job_id: int) -> int | None:
         if "-m trainers.launch" in cmdline(pid) and f'"job_id":{job_id},' in environ(pid).replace(" ", ""):
             return pid
     return None
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
