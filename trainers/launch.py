@@ -17,7 +17,10 @@ The trainer is Ray Train V2's `DataParallelTrainer` with `trainers.backend.Proce
 which is what `TorchTrainer` is with `TorchConfig`, minus the torch import: neither this driver nor
 the Train controller imports torch (each import delays the workers' start). So this module
 imports no torch either: the built-in train loop is reached through `builtin_train_loop`, and a
-custom trainer's module (which imports torch itself) is loaded only for a custom trainer.
+custom trainer's module (which imports torch itself) is checked from its source here and imported
+only on the workers (`custom_trainer`). `ApiaryTrainer` also leaves out two of Ray Train's helper
+actors, a process each per job. Every process of the job prints its start-up marks
+(`trainers.startup`) for `benchmarks/overhead.py`.
 
 Exit status 0 means the job reached `max_steps`. Anything else exits 1 with, as the last line on
 stderr, `apiary-error: <one-line reason a user can act on>` when the job failed for good (its code,
