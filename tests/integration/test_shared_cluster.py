@@ -51,8 +51,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
 
 @pytest.fixture
 def other_user(cluster: RayCluster, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
-    env = {**os.environ, **auth_env(cluster.token_path)}
-    env.pop("RAY_AUTH_TOKEN", None)
+    # A clean Ray environment: earlier tests in this process may have left Ray's variables in it
+    # (RayBackend sets the auth ones for its own cluster).
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    env |= auth_env(cluster.token_path)
     process = subprocess.Popen(
         [sys.executable, "-c", OTHER_USER, cluster.gcs_address],
         stdout=subprocess.PIPE,
