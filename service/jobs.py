@@ -49,7 +49,7 @@ from service.handoff import (
 from service.models import Checkpoint, IdempotencyKey, Job, JobEvent, Metric, utcnow
 from service.observability import Gauges, Metrics, RunningJob
 from service.policy import ClusterSnapshot, Gang, SpreadBundle, capacity_text, fits_empty_cluster
-from service.protocol import GROUP_STARTED, LaunchPointer, TelemetryBatch, TelemetryReply
+from service.protocol import GROUP_STARTED, WORKER_FAILED, LaunchPointer, TelemetryBatch, TelemetryReply
 from service.queues import QueueConfig
 from service.settings import Settings
 from service.spec import JobSpec, Placement, Queue
@@ -311,7 +311,11 @@ class JobService:
             if given_up:
                 self.metrics.points_ingested(stored)
                 return TelemetryReply(stored=stored, stop=False, superseded=True)
-            if current and batch.status is not None:
+            if any(event.kind == WORKER_FAILED for event in batch.events):
+                repository.note_group_failed(session, job)
+            # The failed group's ranks may post once more while Ray Train tears them down.
+            dying = job.restarting_since is not None and batch.segment <= (job.segment or 0)
+            if current and not dying and batch.status is not None:
                 repository.note_rank_status(
                     session,
                     job,

@@ -102,6 +102,10 @@ class Job(Base):
     restarts: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     failures: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     segment: Mapped[int | None] = mapped_column(BigInteger)
+    # Set by the `worker_failed` event of the current worker group (Ray Train tears it down and starts
+    # another from the latest checkpoint); cleared when the new group first reports. Meanwhile the
+    # hang timeout does not run (service.scheduler), and the dying group's late statuses are ignored.
+    restarting_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # Each rank of the current worker group: its last RankStatus (service.protocol), when the service
     # heard from it (`seen`), its own work per step (`own_s`) and whether it is a straggler.
     ranks: Mapped[dict[str, Any] | None] = mapped_column(JSON)

@@ -169,6 +169,8 @@ class CheckpointRecord(Strict):
 
 # The event a worker group's rank 0 posts when it starts (its step: the step it resumed from).
 GROUP_STARTED = "group_started"
+# The event Ray Train's failure policy posts (trainers.launch) when it restarts a failed worker group.
+WORKER_FAILED = "worker_failed"
 
 
 class TrainerEvent(Strict):

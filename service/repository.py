@@ -152,6 +152,7 @@ SCHEDULING_COLUMNS = (
     Job.waiting_reason,
     Job.eta_at,
     Job.ranks,
+    Job.restarting_since,
 )
 
 
@@ -285,6 +286,7 @@ def transition(
     if target in (JobState.ADMITTED, JobState.RECOVERING):
         job.admitted_at = now  # when this attempt was submitted
         job.ranks = None
+        job.restarting_since = None
     elif target is JobState.RUNNING:
         job.started_at = job.started_at or now
     if target.is_terminal:
@@ -366,6 +368,7 @@ def note_segment(session: Session, job: Job, *, segment: int, resumed_from: int 
     lost = max(0, (job.latest_step or 0) - resumed_from)
     job.segment = segment
     job.ranks = None
+    job.restarting_since = None
     job.restarts += 1
     job.failures += 1
     job.latest_step = resumed_from
@@ -383,6 +386,14 @@ def note_segment(session: Session, job: Job, *, segment: int, resumed_from: int 
         lost,
         extra={"action": "job_restarted", "job": {"id": job.id, "restarts": job.restarts}},
     )
+
+
+def note_group_failed(session: Session, job: Job) -> None:
+    """Ray Train is restarting the current worker group from its latest checkpoint (its failure policy
+    posted `worker_failed`): forget the failed group's ranks, so that the hang timeout waits for the new
+    group (`note_segment` ends the restart when it first reports)."""
+    job.restarting_since = utcnow()
+    job.ranks = None
 
 
 # A rank is a straggler after this many posts in a row slower than the others (and no longer one after

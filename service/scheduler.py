@@ -467,7 +467,18 @@ class Scheduler:
 
         The rank to blame, in order: one that stopped reporting (a frozen process, a lost node); one
         stuck outside a collective (reading data, writing a checkpoint); else it is not known, since
-        every rank waits on the others (decided only once a silent rank would have shown)."""
+        every rank waits on the others (decided only once a silent rank would have shown).
+
+        While Ray Train restarts the worker group (`restarting_since`), there is no step to wait for:
+        the new group has the start timeout to report."""
+        if (restarting := to_time(row.restarting_since)) is not None:
+            waited_s = now - restarting
+            if waited_s < self.settings.start_timeout_s:
+                return None
+            return (
+                f"the worker group that Ray Train restarted {waited_s:.0f} s ago has not reported "
+                f"(start timeout {self.settings.start_timeout_s:.0f} s)"
+            )
         ranks = list((row.ranks or {}).values())
         done = [rank["step_at"] for rank in ranks if rank.get("step_at") is not None]
         if not done:

@@ -70,6 +70,7 @@ from service.errors import one_line
 from service.handoff import LOOP_CONFIG_KEY, pointer_from_env, read_launch, read_token
 from service.protocol import (
     LAUNCH_ENV_VAR,
+    WORKER_FAILED,
     LaunchPointer,
     LaunchRequest,
     clip_reason,
@@ -150,7 +151,7 @@ class ApiaryFailurePolicy(DefaultFailurePolicy):
             close_retry_s=5.0,
         )
         telemetry.event(
-            "worker_failed",
+            WORKER_FAILED,
             step=0,
             message=f"worker group failed ({ranks or 'the controller'}); Ray Train restarts it from "
             "the latest checkpoint",

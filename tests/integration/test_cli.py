@@ -17,6 +17,7 @@ from api.cli import app
 from service.cluster import RayJobStatus, free_port
 from tests.integration.conftest import Service
 from tests.support.jobs import classification_job
+from tests.support.wait import wait_until
 
 
 @pytest.fixture
@@ -59,9 +60,19 @@ def run_job(
 ) -> threading.Thread:
     """In the background: admit the job, run it (steps reported by rank 0), end it with `outcome`."""
 
-    def advance() -> None:
-        time.sleep(delay_s)
+    def admitted() -> bool:
+        # The CLI under test submits the job at its own pace (slow on a loaded machine): tick until
+        # the job exists and the scheduler has handed it to the (fake) cluster.
         service.tick()
+        return any(launch.job_id == job_id for _, launch in service.backend.submitted)
+
+    def advance() -> None:
+        try:
+            wait_until(admitted, timeout_s=120, interval_s=delay_s, what=f"job {job_id} being admitted")
+        except AssertionError:
+            # End the watch under test (it would otherwise wait for the test's own timeout).
+            service.http.post(f"/jobs/{job_id}/cancel")
+            raise
         submission_id = service.backend.submission_of(job_id)
         service.backend.statuses[submission_id] = RayJobStatus.RUNNING
         service.tick()

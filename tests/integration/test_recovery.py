@@ -271,6 +271,52 @@ def test_a_job_whose_ranks_make_no_step_is_restarted_from_its_checkpoint_naming_
     assert "resuming from its newest complete checkpoint (step 40 when last reported)" in hung
 
 
+def test_a_worker_group_that_ray_train_restarts_is_not_a_hang_until_the_start_timeout(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    job_id = service.submit(spec)["id"]
+    run_to_running(service, [job_id])
+    long_ago = time.time() - 120  # past the hang timeout (60 s)
+    old_group = {"attempt": 1, "segment": 1000}
+    post(service, job_id, {**old_group, "status": status(0, step=57, step_at=long_ago, phase="sync")})
+    # Ray Train's failure policy (trainers.launch) says it restarts the group; a rank of the failed
+    # group posts once more while it is torn down.
+    failed = {"kind": "worker_failed", "step": 0, "rank": 0, "time": time.time(), "message": "group failed"}
+    post(service, job_id, {"attempt": 1, "events": [failed]})
+    post(service, job_id, {**old_group, "status": status(0, step=57, step_at=long_ago, phase="sync")})
+    service.tick()
+    job = service.job(job_id)
+    assert (job["state"], job["attempt"], job["ranks"]) == ("running", 1, None)
+    # The new group reports: the restart is over, and the hang timeout runs again on its steps.
+    started = {"kind": "group_started", "step": 40, "rank": 0, "time": time.time(), "message": "started"}
+    post(
+        service,
+        job_id,
+        {
+            "attempt": 1,
+            "segment": 2000,
+            "events": [started],
+            "points": points(range(41, 43), loss=1.0, ranks=(0,)),
+            "status": status(0, step=42, step_at=long_ago, phase="sync"),
+        },
+    )
+    assert service.job(job_id)["restarts"] == 1
+    service.tick()
+    assert service.job(job_id)["state"] == "recovering"  # its own steps are 120 s old
+
+    # A restart that never reports is given up after the start timeout (300 s).
+    second = service.submit({**spec, "name": "second"})["id"]
+    run_to_running(service, [second])
+    post(service, second, {**old_group, "status": status(0, step=9, step_at=long_ago, phase="sync")})
+    post(service, second, {"attempt": 1, "events": [failed]})
+    service.tick(time.time() + 290)
+    assert service.job(second)["state"] == "running"
+    service.tick(time.time() + 310)
+    job = service.job(second)
+    assert (job["state"], job["attempt"]) == ("recovering", 2)
+    assert any("the worker group that Ray Train restarted" in r for r in reasons(service, second))
+
+
 def test_a_rank_that_stops_reporting_is_blamed_for_the_hang(service: Service, spec: dict[str, Any]) -> None:
     job_id = service.submit(spec)["id"]
     run_to_running(service, [job_id])
