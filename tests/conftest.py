@@ -8,7 +8,8 @@
 Tests under `tests/ray` and `tests/e2e` carry the `ray` marker (`-m "not ray"` skips them). Helpers
 live in `tests/support`.
 
-Database tests run twice: on SQLite and on PostgreSQL (a fresh database per test).
+Database tests run twice: on SQLite and on PostgreSQL, a fresh database per test, copied from one that
+was migrated once per session (`empty_database_url` for the migration tests).
 
 PostgreSQL: APIARY_TEST_PG_URL (default postgresql+psycopg://postgres@127.0.0.1:5432/postgres) is
 the server used to create and drop test databases. `.ci/run` makes sure it is running.
@@ -21,6 +22,7 @@ multipart writes) on a free loopback port for the whole session, with the bucket
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -33,7 +35,7 @@ import pytest
 
 from api.demo import classification_table, write_shards
 from service.cluster import free_port
-from tests.support.databases import fresh_postgres_database
+from tests.support.databases import database_name, fresh_postgres_database
 from tests.support.telemetry import TelemetryServer
 from tests.support.wait import wait_until
 
@@ -47,16 +49,57 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.ray)
 
 
+@dataclass(frozen=True)
+class MigratedTemplates:
+    """One database of each kind at the newest revision, made once a session: a test's database is a
+    copy (a file copy, or PostgreSQL's CREATE DATABASE ... TEMPLATE), not ten migrations again."""
+
+    sqlite_file: Path
+    postgres_name: str
+
+
+@pytest.fixture(scope="session")
+def migrated_templates(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MigratedTemplates]:
+    from service.db import build_engine, upgrade
+
+    sqlite_file = tmp_path_factory.mktemp("template") / "apiary.db"
+    with fresh_postgres_database(PG_ADMIN_URL, prefix="apiary_template") as postgres:
+        for url in (f"sqlite:///{sqlite_file}", postgres):
+            engine = build_engine(url)
+            upgrade(engine)
+            engine.dispose()
+        yield MigratedTemplates(sqlite_file=sqlite_file, postgres_name=database_name(postgres))
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+def database_url(
+    request: pytest.FixtureRequest, tmp_path: Path, migrated_templates: MigratedTemplates
+) -> Iterator[str]:
+    """A fresh database at the newest revision, SQLite then PostgreSQL (`empty_database_url` for one
+    that was never migrated)."""
+    if request.param == "sqlite":
+        yield migrated_sqlite(tmp_path, migrated_templates)
+        return
+    yield from _fresh_postgres_database(template=migrated_templates.postgres_name)
+
+
+def migrated_sqlite(folder: Path, templates: MigratedTemplates) -> str:
+    copy = folder / "apiary.db"
+    shutil.copyfile(templates.sqlite_file, copy)
+    return f"sqlite:///{copy}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh database that was never migrated, SQLite then PostgreSQL."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'apiary.db'}"
         return
     yield from _fresh_postgres_database()
 
 
-def _fresh_postgres_database() -> Iterator[str]:
-    with fresh_postgres_database(PG_ADMIN_URL, prefix="apiary_test") as url:
+def _fresh_postgres_database(*, template: str | None = None) -> Iterator[str]:
+    with fresh_postgres_database(PG_ADMIN_URL, prefix="apiary_test", template=template) as url:
         yield url
 
 

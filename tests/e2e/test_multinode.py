@@ -10,7 +10,8 @@ APIARY_JOB_PYTHON): its code reaches them only through its runtime_env. The seco
 raylet, agents and workers at once) while the job runs: the gang no longer fits the head alone, so
 the job is stopped and requeued ("capacity lost"), waits while capacity says it cannot fit, and
 resumes from its S3 checkpoint when a new node joins. Its final parameters equal an undisturbed run
-of the same spec on the same cluster. Prints the recovery figures for benchmarks/RESULTS.md.
+of the same spec on the same cluster. A missing S3 dataset is refused at submission, and the S3
+secret appears in no log line of the service. Prints the recovery figures for benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import httpx
 import pytest
 import torch
 
-from api.client import ApiaryClient
+from api.client import ApiaryClient, ApiaryClientError
 from api.demo import classification_table, write_shards
 from tests.conftest import S3
 from tests.e2e.conftest import Served, start_serve, stop_serve
@@ -159,6 +160,12 @@ def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undis
 
         reference = client.wait(client.submit(spec(dataset, "undisturbed")).id, timeout_s=400)
         assert reference.state == "succeeded", reference
+
+        # A missing S3 dataset is refused at submission (listed by the service), like a local one.
+        with pytest.raises(ApiaryClientError) as refused:
+            client.submit(spec(f"{s3.datasets_uri}/missing", "missing"))
+        assert refused.value.status_code == 422 and "does not exist" in refused.value.message
+    assert s3.env["AWS_SECRET_ACCESS_KEY"] not in served.log.read_text()
 
     assert reference.latest_checkpoint is not None
     final = build_model_from_checkpoint(job.latest_checkpoint, s3_endpoint_url=s3.endpoint_url).state_dict()

@@ -1,6 +1,6 @@
-"""Two `apiary serve` replicas on one PostgreSQL and one Ray cluster: one schedules at a time, the other
-takes over within seconds when the leader is SIGKILLed, no job is admitted twice, and the cluster is
-never over-committed."""
+"""Two `apiary serve` replicas behind a (fail-over) load balancer, on one PostgreSQL and one Ray
+cluster: one schedules at a time, the other takes over within seconds when the leader is SIGKILLed,
+no job is admitted twice, and the cluster is never over-committed."""
 
 from __future__ import annotations
 
@@ -16,24 +16,37 @@ from sqlalchemy import create_engine, text
 
 from api.client import ApiaryClient
 from api.demo import classification_table, write_shards
+from service.cluster import free_port
 from tests.e2e.conftest import Served, start_serve, stop_serve
+from tests.support.proxy import TcpProxy
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.timeout(420)]
 
-# Each job is 1 worker + 1 data CPU on the local Ray's 8 CPUs: at most 4 at once.
-CAPACITY = 4
+# Each job is 1 worker of 3 CPUs + 1 data CPU on the local Ray's 8 CPUs: at most 2 at once, so that of
+# the 3 jobs one waits for the new leader.
+CAPACITY = 2
+JOBS = 3
 
 
 @pytest.fixture
 def replicas(tmp_path: Path, postgres_url: str) -> Iterator[tuple[Served, Served, str]]:
-    first = start_serve(data_dir=tmp_path / "a", database_url=postgres_url, log=tmp_path / "a.log")
+    # Behind a load balancer, as in production: the trainers post their telemetry to its address
+    # (APIARY_PUBLIC_URL), which reaches whichever replica is up.
+    ports = (free_port(), free_port())
+    balancer = TcpProxy("127.0.0.1", ports[0], fallbacks=[("127.0.0.1", ports[1])])
+    public = {"APIARY_PUBLIC_URL": f"http://{balancer.address}"}
+    first = start_serve(
+        data_dir=tmp_path / "a", database_url=postgres_url, log=tmp_path / "a.log", port=ports[0], env=public
+    )
     ray = first.ray_state()
     second = start_serve(
         data_dir=tmp_path / "b",
         database_url=postgres_url,
         log=tmp_path / "b.log",
+        port=ports[1],
         env={
+            **public,
             "APIARY_RAY_ADDRESS": ray["dashboard_url"],
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": ray["auth_token_path"],
@@ -42,6 +55,7 @@ def replicas(tmp_path: Path, postgres_url: str) -> Iterator[tuple[Served, Served
     try:
         yield first, second, postgres_url
     finally:
+        balancer.close()
         for served in (second, first):  # the first one owns the local Ray: it stops last
             if served.process.poll() is None:
                 stop_serve(served)
@@ -67,6 +81,7 @@ def test_one_replica_schedules_and_the_other_takes_over_when_it_is_killed(
         "name": "replica",
         "trainer": "mlp",
         "num_workers": 1,
+        "resources_per_worker": {"CPU": 3},
         "dataset": {"uri": dataset},
         "max_steps": 10,
         "batch_size": 8,
@@ -78,7 +93,7 @@ def test_one_replica_schedules_and_the_other_takes_over_when_it_is_killed(
     follower = second if leader is first else first
 
     with ApiaryClient(follower.url) as client:  # any replica takes submissions
-        jobs = [client.submit({**spec, "name": f"replica-{i}"}).id for i in range(6)]
+        jobs = [client.submit({**spec, "name": f"replica-{i}"}).id for i in range(JOBS)]
         wait_until(
             lambda: sum(client.get(job).state != "queued" for job in jobs) >= 2,
             timeout_s=120,

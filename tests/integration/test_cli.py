@@ -15,15 +15,16 @@ from typer.testing import CliRunner, Result
 
 from api.cli import app
 from service.cluster import RayJobStatus, free_port
+from tests.conftest import MigratedTemplates, migrated_sqlite
 from tests.integration.conftest import Service
 from tests.support.jobs import classification_job
 from tests.support.wait import wait_until
 
 
 @pytest.fixture
-def database_url(tmp_path: Path) -> str:
+def database_url(tmp_path: Path, migrated_templates: MigratedTemplates) -> str:
     """SQLite only: the CLI is under test here, not the database (tests/integration/test_api.py)."""
-    return f"sqlite:///{tmp_path / 'apiary.db'}"
+    return migrated_sqlite(tmp_path, migrated_templates)
 
 
 @pytest.fixture

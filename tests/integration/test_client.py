@@ -26,14 +26,15 @@ from api.client import (
 from api.schemas import EventPublic, JobPublic, MetricsPublic
 from service.cluster import RayJobStatus, free_port
 from service.spec import JobSpec
+from tests.conftest import MigratedTemplates, migrated_sqlite
 from tests.integration.conftest import Service
 from tests.support.jobs import classification_job
 
 
 @pytest.fixture
-def database_url(tmp_path: Path) -> str:
+def database_url(tmp_path: Path, migrated_templates: MigratedTemplates) -> str:
     """SQLite only: the SDK is under test here, not the database (tests/integration/test_api.py)."""
-    return f"sqlite:///{tmp_path / 'apiary.db'}"
+    return migrated_sqlite(tmp_path, migrated_templates)
 
 
 @pytest.fixture

@@ -29,23 +29,23 @@ def _expect(database_url: str, tmp_path: Path, command: str, *, code: int, says:
 
 
 def test_db_upgrade_creates_the_schema_then_current_reports_the_head(
-    database_url: str, tmp_path: Path
+    empty_database_url: str, tmp_path: Path
 ) -> None:
-    head = head_revision()
-    _expect(database_url, tmp_path, "current", code=1, says=f"empty; the newest is {head}: run `apiary db")
-    _expect(database_url, tmp_path, "upgrade", code=0, says=f"upgraded from an empty database to {head}")
-    engine = build_engine(database_url)
+    head, url = head_revision(), empty_database_url
+    _expect(url, tmp_path, "current", code=1, says=f"empty; the newest is {head}: run `apiary db")
+    _expect(url, tmp_path, "upgrade", code=0, says=f"upgraded from an empty database to {head}")
+    engine = build_engine(empty_database_url)
     assert {"jobs", "job_events", "alembic_version"} <= set(inspect(engine).get_table_names())
     engine.dispose()
-    _expect(database_url, tmp_path, "upgrade", code=0, says=f"already at {head}")
-    _expect(database_url, tmp_path, "current", code=0, says=f"{head} (head)")
+    _expect(empty_database_url, tmp_path, "upgrade", code=0, says=f"already at {head}")
+    _expect(empty_database_url, tmp_path, "current", code=0, says=f"{head} (head)")
 
 
 def test_db_upgrade_to_an_older_revision_then_current_says_it_is_behind(
-    database_url: str, tmp_path: Path
+    empty_database_url: str, tmp_path: Path
 ) -> None:
-    _expect(database_url, tmp_path, "upgrade 0001", code=0, says="to 0001")
-    _expect(database_url, tmp_path, "current", code=1, says=f"0001; the newest is {head_revision()}")
+    _expect(empty_database_url, tmp_path, "upgrade 0001", code=0, says="to 0001")
+    _expect(empty_database_url, tmp_path, "current", code=1, says=f"0001; the newest is {head_revision()}")
 
 
 def test_db_commands_name_an_unreachable_database_without_its_password(tmp_path: Path) -> None:
@@ -58,18 +58,18 @@ def test_db_commands_name_an_unreachable_database_without_its_password(tmp_path:
 
 
 def test_a_service_that_does_not_migrate_refuses_an_old_schema_and_starts_on_the_newest(
-    database_url: str, tmp_path: Path
+    empty_database_url: str, tmp_path: Path
 ) -> None:
-    settings = Settings(data_dir=tmp_path / "data", database_url=database_url, migrate_on_start=False)
+    settings = Settings(data_dir=tmp_path / "data", database_url=empty_database_url, migrate_on_start=False)
     runtime = Runtime(settings, backend=FakeBackend(), run_scheduler=False)
     with pytest.raises(SchemaOutOfDate, match="apiary db upgrade"):
         runtime.start()
     runtime.stop()
-    engine = build_engine(database_url)
+    engine = build_engine(empty_database_url)
     assert "jobs" not in inspect(engine).get_table_names()  # it did not migrate on its own
     engine.dispose()
 
-    assert _apiary(database_url, tmp_path, "db", "upgrade").exit_code == 0
+    assert _apiary(empty_database_url, tmp_path, "db", "upgrade").exit_code == 0
     runtime = Runtime(settings, backend=FakeBackend(), run_scheduler=False)
     runtime.start()
     try:

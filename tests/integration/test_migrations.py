@@ -12,8 +12,8 @@ from service.models import Base
 from service.states import JobState
 
 
-def test_upgrade_of_an_empty_database_matches_the_models(database_url: str) -> None:
-    engine = build_engine(database_url)
+def test_upgrade_of_an_empty_database_matches_the_models(empty_database_url: str) -> None:
+    engine = build_engine(empty_database_url)
     upgrade(engine)
     with engine.connect() as connection:
         context = MigrationContext.configure(connection, opts={"compare_type": True})
@@ -22,8 +22,8 @@ def test_upgrade_of_an_empty_database_matches_the_models(database_url: str) -> N
     engine.dispose()
 
 
-def test_upgrade_twice_is_a_no_op(database_url: str) -> None:
-    engine = build_engine(database_url)
+def test_upgrade_twice_is_a_no_op(empty_database_url: str) -> None:
+    engine = build_engine(empty_database_url)
     upgrade(engine)
     upgrade(engine)
     with engine.connect() as connection:
@@ -31,8 +31,8 @@ def test_upgrade_twice_is_a_no_op(database_url: str) -> None:
     engine.dispose()
 
 
-def test_the_database_state_constraint_matches_the_python_enum(database_url: str) -> None:
-    engine = build_engine(database_url)
+def test_the_database_state_constraint_matches_the_python_enum(empty_database_url: str) -> None:
+    engine = build_engine(empty_database_url)
     upgrade(engine)
     checks = inspect(engine).get_check_constraints("jobs")
     state_check = next(check for check in checks if "state" in check["sqltext"])
@@ -41,8 +41,8 @@ def test_the_database_state_constraint_matches_the_python_enum(database_url: str
     engine.dispose()
 
 
-def test_the_64_bit_migration_goes_down_and_up_again(database_url: str) -> None:
-    engine = build_engine(database_url)
+def test_the_64_bit_migration_goes_down_and_up_again(empty_database_url: str) -> None:
+    engine = build_engine(empty_database_url)
     upgrade(engine)
     command.downgrade(alembic_config(engine), "0006")
     assert step_type(engine) == "INTEGER"

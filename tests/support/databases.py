@@ -11,17 +11,19 @@ from sqlalchemy.engine import make_url
 
 
 @contextmanager
-def fresh_postgres_database(admin_url: str, *, prefix: str) -> Iterator[str]:
-    """Create a database named `{prefix}_<random>` on the server of `admin_url` and yield its URL.
+def fresh_postgres_database(admin_url: str, *, prefix: str, template: str | None = None) -> Iterator[str]:
+    """Create a database named `{prefix}_<random>` on the server of `admin_url` and yield its URL: an
+    empty one, or a copy of the database `template` (which nobody may be connected to).
 
     A server that cannot be reached raises RuntimeError naming it: a missing PostgreSQL must fail a
     test run, never skip it.
     """
     admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    copy = f' TEMPLATE "{template}"' if template is not None else ""
     try:
         with admin.connect() as connection:
-            connection.execute(text(f'CREATE DATABASE "{name}"'))
+            connection.execute(text(f'CREATE DATABASE "{name}"{copy}'))
     except Exception as err:
         admin.dispose()
         raise RuntimeError(f"PostgreSQL at {admin_url} is needed here: {err}") from err
@@ -31,3 +33,9 @@ def fresh_postgres_database(admin_url: str, *, prefix: str) -> Iterator[str]:
         with admin.connect() as connection:
             connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+def database_name(url: str) -> str:
+    name = make_url(url).database
+    assert name is not None, url
+    return name

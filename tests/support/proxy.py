@@ -1,19 +1,28 @@
 """A TCP proxy on a loopback port that a test can cut and restore: the database "goes away" (every
 connection through it is dropped, new ones are refused) and comes back on the same address, without
-stopping the real server that other tests share."""
+stopping the real server that other tests share. With more than one target it is a fail-over load
+balancer: each connection goes to the first target that accepts it."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 import threading
+from collections.abc import Sequence
 
 from service.cluster import free_port
 
 
 class TcpProxy:
-    def __init__(self, target_host: str, target_port: int, *, port: int | None = None) -> None:
-        self.target = (target_host, target_port)
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        *,
+        port: int | None = None,
+        fallbacks: Sequence[tuple[str, int]] = (),
+    ) -> None:
+        self.targets = [(target_host, target_port), *fallbacks]
         self.port = port or free_port()
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -50,10 +59,8 @@ class TcpProxy:
                 client, _ = listener.accept()
             except OSError:
                 return  # closed
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-                upstream.settimeout(None)
-            except OSError:
+            upstream = self._connect()
+            if upstream is None:
                 client.close()
                 continue
             with self._lock:
@@ -64,6 +71,16 @@ class TcpProxy:
                 self._sockets |= {client, upstream}
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    def _connect(self) -> socket.socket | None:
+        for target in self.targets:
+            try:
+                upstream = socket.create_connection(target, timeout=5)
+            except OSError:
+                continue
+            upstream.settimeout(None)
+            return upstream
+        return None
 
     def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
         try:
