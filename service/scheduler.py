@@ -864,6 +864,7 @@ class Scheduler:
             return
         env_vars = {
             **launch_env(pointer),
+            **self.settings.job_ray_env(),
             # S3 credentials for the driver, the Train workers and the Ray Data tasks, on every node.
             # They go in the runtime_env only, never in the launch request (which Ray Train logs and
             # stores) nor in any log line here.

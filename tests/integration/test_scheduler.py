@@ -103,6 +103,16 @@ def test_a_research_job_gets_its_queues_default_runtime(service: Service, spec: 
     assert service.submit({**spec, "queue": "full-scale"})["spec"]["max_runtime_s"] is None
 
 
+def test_a_jobs_ray_train_controller_polls_its_workers_at_the_configured_interval(
+    start_service: Callable[..., Service], spec: dict[str, Any]
+) -> None:
+    service = start_service(train_poll_interval_s=0.5)
+    job_id = service.submit(spec)["id"]
+    service.tick()
+    environment = service.backend.environments[service.backend.submission_of(job_id)]
+    assert environment["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.5"
+
+
 def test_a_job_that_does_not_stop_within_the_grace_is_stopped_and_requeued(
     start_service: Callable[..., Service], spec: dict[str, Any]
 ) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from service.settings import Settings
 from tests.conftest import S3_ENV
 from tests.support.ray import local_ray
 
@@ -18,9 +19,10 @@ def ray_cluster() -> Iterator[str]:
     leave nothing behind that another module sees (each writes under its own tmp_path). The cluster
     stops when the package's last test is done, before `tests/e2e` starts its own.
 
-    Its job-level runtime_env carries the AWS variables of the tests' S3 server (fake credentials,
+    Its job-level runtime_env carries Ray Train's settings of the service's jobs
+    (`Settings.job_ray_env`), and the AWS variables of the tests' S3 server (fake credentials,
     no endpoint), as the service's submissions do (`Settings.job_aws_env`): Train workers and Ray
     Data tasks of tests/ray/test_s3_run.py read S3 with them; the other jobs never read them.
     """
-    with local_ray(runtime_env={"env_vars": dict(S3_ENV)}) as address:
+    with local_ray(runtime_env={"env_vars": {**S3_ENV, **Settings().job_ray_env()}}) as address:
         yield address
