@@ -24,12 +24,17 @@ checkpoint's folder keeps one small file, `TOMBSTONE`, that says what happened, 
 
 Cheap: a pass reads, in one indexed query, only the jobs that have checkpoints with work
 (`checkpoints.retention_due`: new ones to judge, deletions to retry), and at most `max_jobs` of them.
+Bounded: a pass stops trying deletions once it has spent `max_pass_s` on them (it tries one at least;
+an unreachable object store makes each try last a second or more of the storage client's retries),
+so that the scheduler's tick, which runs it, renews its lease in time; what is left stays due for the
+next pass.
 """
 
 from __future__ import annotations
 
 import logging
 import posixpath
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -108,17 +113,27 @@ class Retention:
     max_jobs: int = 100
     retry_base_s: float = 5.0
     retry_max_s: float = 600.0
+    max_pass_s: float = 2.5
 
     def run_pass(self, now: datetime) -> PassResult:
         with self.db.session() as session:
             due = repository.retention_due(session, now=now, limit=self.max_jobs)
-        deleted = failed = 0
+        deleted = failed = tried = 0
+        deadline = time.monotonic() + self.max_pass_s
         for job_id in due:
             work = self._decide(job_id, now=now)
             if work is None:
                 break  # no longer the leader
             for checkpoint_id, uri, attempts in work:
+                if tried and time.monotonic() > deadline:
+                    logger.info(
+                        "retention pass out of time after %g s: the other deletions wait for the next pass",
+                        self.max_pass_s,
+                        extra={"action": "retention_pass_out_of_time"},
+                    )
+                    return PassResult(deleted=deleted, failed=failed)
                 error = self._delete(uri, job_id=job_id, now=now)
+                tried += 1
                 with self.db.session() as session:
                     if not self.fenced(session):
                         return PassResult(deleted=deleted, failed=failed)

@@ -133,6 +133,8 @@ class Scheduler:
                 storage_uri=settings.resolved_storage_uri, run_name=run_name(job_id), name=""
             ),
             s3_endpoint_url=settings.s3_endpoint_url,
+            # Within the lease: a tick that runs past it lets another replica take over.
+            max_pass_s=settings.scheduler_lease_s / 2,
         )
 
     # -- the loop -------------------------------------------------------------------------------

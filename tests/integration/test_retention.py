@@ -195,7 +195,9 @@ def test_a_deletion_that_fails_while_s3_is_down_stays_deleting_and_succeeds_late
     # The service reaches S3 through the proxy; the test writes and reads S3 directly.
     monkeypatch.setenv("APIARY_STORAGE_URI", s3.checkpoints_uri)
     monkeypatch.setenv("APIARY_S3_ENDPOINT_URL", f"http://{proxy.address}")
-    service = start_service()
+    # Each try at an unreachable S3 lasts a second or more (the client's retries): a long lease gives
+    # the pass the time for both (its budget is half the lease; the next test bounds it).
+    service = start_service(scheduler_lease_s=60)
     job_id = service.submit(job_spec(classification_dataset, keep_last=2))["id"]
     run_to_running(service, [job_id])
     assert folder_of(service, job_id, 5).startswith(f"{s3.checkpoints_uri}/job-{job_id}/")
@@ -229,6 +231,32 @@ def test_a_deletion_that_fails_while_s3_is_down_stays_deleting_and_succeeds_late
         assert contents(folder_of(service, job_id, step), s3_endpoint_url=s3.endpoint_url) == {TOMBSTONE}
     for step in (15, 20):
         assert "state.pt" in contents(folder_of(service, job_id, step), s3_endpoint_url=s3.endpoint_url)
+
+
+def test_a_pass_stops_deleting_when_its_time_is_up_and_the_next_pass_goes_on(
+    start_service: Callable[..., Service],
+    classification_dataset: str,
+    s3: S3,
+    proxy: TcpProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("APIARY_STORAGE_URI", s3.checkpoints_uri)
+    monkeypatch.setenv("APIARY_S3_ENDPOINT_URL", f"http://{proxy.address}")
+    service = start_service()
+    service.runtime.scheduler.retention.max_pass_s = 0.0  # type: ignore[union-attr]
+    job_id = service.submit(job_spec(classification_dataset, keep_last=2))["id"]
+    run_to_running(service, [job_id])
+    for step in (5, 10, 15, 20):
+        write_checkpoint(folder_of(service, job_id, step), s3_endpoint_url=s3.endpoint_url)
+        report(service, job_id, step, loss=1.0)
+    proxy.close()  # each try lasts past the budget: one a pass
+    now = time.time()
+    service.tick(now)
+    attempts = {step: row["delete_attempts"] for step, row in listed(service, job_id).items()}
+    assert attempts == {5: 1, 10: 0, 15: 0, 20: 0}
+    service.tick(now + 1)  # 5 waits for its retry time; 10 is still due
+    attempts = {step: row["delete_attempts"] for step, row in listed(service, job_id).items()}
+    assert attempts == {5: 1, 10: 1, 15: 0, 20: 0}
 
 
 def test_retention_keeps_the_newest_across_a_worker_group_restart_and_a_recovery(
