@@ -360,8 +360,10 @@ def note_segment(session: Session, job: Job, *, segment: int, resumed_from: int 
     if segment == 0 or (job.segment is not None and segment <= job.segment):
         return
     if job.segment is None:
+        # The attempt's first group to report (one that Ray Train restarted before any post included).
         job.segment = segment
         job.ranks = None
+        job.restarting_since = None
         return
     if resumed_from is None:
         return  # a post with neither points nor its start event: the next one says where it resumed

@@ -304,6 +304,24 @@ def test_a_worker_group_that_ray_train_restarts_is_not_a_hang_until_the_start_ti
     service.tick()
     assert service.job(job_id)["state"] == "recovering"  # its own steps are 120 s old
 
+    # A group that failed before it ever reported: the first group that reports ends the restart.
+    early = service.submit({**spec, "name": "early"})["id"]
+    run_to_running(service, [early])
+    post(service, early, {"attempt": 1, "events": [failed]})
+    post(
+        service,
+        early,
+        {
+            "attempt": 1,
+            "segment": 3000,
+            "events": [{**started, "step": 0}],
+            "points": points(range(1, 3), loss=1.0, ranks=(0,)),
+            "status": status(0, step=2, step_at=long_ago, phase="sync"),
+        },
+    )
+    service.tick()
+    assert service.job(early)["state"] == "recovering"  # the hang timeout runs on its steps
+
     # A restart that never reports is given up after the start timeout (300 s).
     second = service.submit({**spec, "name": "second"})["id"]
     run_to_running(service, [second])
