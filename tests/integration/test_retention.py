@@ -185,26 +185,38 @@ def proxy(s3: S3) -> Iterator[TcpProxy]:
     proxy.close()
 
 
-def test_a_deletion_that_fails_while_s3_is_down_stays_deleting_and_succeeds_later(
+@pytest.fixture
+def s3_job(
     start_service: Callable[..., Service],
     classification_dataset: str,
     s3: S3,
     proxy: TcpProxy,
     monkeypatch: pytest.MonkeyPatch,
+) -> Callable[..., tuple[Service, int]]:
+    """Starts the service (with `settings`), which reaches S3 through the proxy (the test writes and
+    reads S3 directly), and a job that keeps 2 of its 4 checkpoints (steps 5, 10, 15, 20) in S3."""
+
+    def start(**settings: Any) -> tuple[Service, int]:
+        monkeypatch.setenv("APIARY_STORAGE_URI", s3.checkpoints_uri)
+        monkeypatch.setenv("APIARY_S3_ENDPOINT_URL", f"http://{proxy.address}")
+        service = start_service(**settings)
+        job_id = service.submit(job_spec(classification_dataset, keep_last=2))["id"]
+        run_to_running(service, [job_id])
+        assert folder_of(service, job_id, 5).startswith(f"{s3.checkpoints_uri}/job-{job_id}/")
+        for step in (5, 10, 15, 20):
+            write_checkpoint(folder_of(service, job_id, step), s3_endpoint_url=s3.endpoint_url)
+            report(service, job_id, step, loss=1.0)
+        return service, job_id
+
+    return start
+
+
+def test_a_deletion_that_fails_while_s3_is_down_stays_deleting_and_succeeds_later(
+    s3_job: Callable[..., tuple[Service, int]], s3: S3, proxy: TcpProxy
 ) -> None:
-    # The service reaches S3 through the proxy; the test writes and reads S3 directly.
-    monkeypatch.setenv("APIARY_STORAGE_URI", s3.checkpoints_uri)
-    monkeypatch.setenv("APIARY_S3_ENDPOINT_URL", f"http://{proxy.address}")
     # Each try at an unreachable S3 lasts a second or more (the client's retries): a long lease gives
     # the pass the time for both (its budget is half the lease; the next test bounds it).
-    service = start_service(scheduler_lease_s=60)
-    job_id = service.submit(job_spec(classification_dataset, keep_last=2))["id"]
-    run_to_running(service, [job_id])
-    assert folder_of(service, job_id, 5).startswith(f"{s3.checkpoints_uri}/job-{job_id}/")
-    for step in (5, 10, 15, 20):
-        write_checkpoint(folder_of(service, job_id, step), s3_endpoint_url=s3.endpoint_url)
-        report(service, job_id, step, loss=1.0)
-
+    service, job_id = s3_job(scheduler_lease_s=60)
     proxy.close()  # S3 is unreachable for the service
     now = time.time()
     service.tick(now)
@@ -234,21 +246,10 @@ def test_a_deletion_that_fails_while_s3_is_down_stays_deleting_and_succeeds_late
 
 
 def test_a_pass_stops_deleting_when_its_time_is_up_and_the_next_pass_goes_on(
-    start_service: Callable[..., Service],
-    classification_dataset: str,
-    s3: S3,
-    proxy: TcpProxy,
-    monkeypatch: pytest.MonkeyPatch,
+    s3_job: Callable[..., tuple[Service, int]], proxy: TcpProxy
 ) -> None:
-    monkeypatch.setenv("APIARY_STORAGE_URI", s3.checkpoints_uri)
-    monkeypatch.setenv("APIARY_S3_ENDPOINT_URL", f"http://{proxy.address}")
-    service = start_service()
+    service, job_id = s3_job()
     service.runtime.scheduler.retention.max_pass_s = 0.0  # type: ignore[union-attr]
-    job_id = service.submit(job_spec(classification_dataset, keep_last=2))["id"]
-    run_to_running(service, [job_id])
-    for step in (5, 10, 15, 20):
-        write_checkpoint(folder_of(service, job_id, step), s3_endpoint_url=s3.endpoint_url)
-        report(service, job_id, step, loss=1.0)
     proxy.close()  # each try lasts past the budget: one a pass
     now = time.time()
     service.tick(now)
