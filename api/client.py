@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from httpx_sse import EventSource, ServerSentEvent
 from pydantic import BaseModel
 
 from api.schemas import (
@@ -170,36 +171,6 @@ def _str_or_none(value: Any) -> str | None:
 
 # ---------------------------------------------------------------------------------------------
 # Server-sent events (the contract: GET /jobs/{id}/stream and /queues/stream)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SSEMessage:
-    event: str
-    data: str
-    id: str | None
-
-
-def parse_sse(lines: Iterator[str]) -> Iterator[SSEMessage]:
-    """Messages of an event stream, as the HTML spec reads them: `field: value` lines, a blank line
-    ends a message, `:` starts a comment, several `data:` lines join with newlines, `id` persists."""
-    event, data, last_id = "", list[str](), None
-    for raw in lines:
-        line = raw.rstrip("\r\n")
-        if not line:
-            if data:
-                yield SSEMessage(event=event or "message", data="\n".join(data), id=last_id)
-            event, data = "", []
-            continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if name == "event":
-            event = value
-        elif name == "data":
-            data.append(value)
-        elif name == "id" and "\0" not in value:
-            last_id = value
 
 
 class StreamEnd(BaseModel):
@@ -437,7 +408,7 @@ class ApiaryClient:
             if message.event == "queues":
                 yield QueuesPublic.model_validate_json(message.data).data
 
-    def _sse(self, path: str, *, until: str | None) -> Iterator[SSEMessage]:
+    def _sse(self, path: str, *, until: str | None) -> Iterator[ServerSentEvent]:
         """Messages of an event stream; reconnects with Last-Event-ID when the connection drops
         (`retries` tries in a row, with backoff), until a message of type `until` arrives."""
         last_id: str | None = None
@@ -448,9 +419,11 @@ class ApiaryClient:
                 headers["Last-Event-ID"] = last_id
             try:
                 with self._open_stream(path, params={}, headers=headers) as response:
-                    for message in parse_sse(response.iter_lines()):
+                    for message in EventSource(response).iter_sse():
+                        if not message.data:  # httpx-sse passes on a comment that follows an id
+                            continue
                         failures = 0
-                        last_id = message.id if message.id is not None else last_id
+                        last_id = message.id or last_id
                         yield message
                         if message.event == until:
                             return

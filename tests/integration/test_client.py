@@ -21,7 +21,6 @@ from api.client import (
     ApiaryInvalid,
     ApiaryNotFound,
     StreamEnd,
-    parse_sse,
 )
 from api.schemas import EventPublic, JobPublic, MetricsPublic
 from service.cluster import RayJobStatus, free_port
@@ -245,10 +244,25 @@ def sse(*messages: tuple[str, str, Any]) -> bytes:
     return out.encode()
 
 
-def test_parse_sse_follows_the_event_stream_format() -> None:
-    lines = ["id: 7", "event: metrics", "data: {", "data: }", "", ": comment", "data: x", "", "event: end"]
-    messages = list(parse_sse(iter(lines)))
-    assert [(m.id, m.event, m.data) for m in messages] == [("7", "metrics", "{\n}"), ("7", "message", "x")]
+def test_stream_messages_are_read_as_the_event_stream_format_says(spec: dict[str, Any]) -> None:
+    """Comments (a keep-alive after an id too) are no messages, `data:` lines join with a newline, and
+    only CR and LF end a line: pydantic writes U+2028 in a string as it is."""
+    event = {"id": 1, "at": "2026-01-01T00:00:00Z", "from_state": None, "to_state": "failed"}
+    event |= {"actor": "system", "reason": "first line\u2028second line"}
+    body = "id: 1.0\nevent: event\ndata: {\n"
+    body += f"data: {json.dumps(event, ensure_ascii=False)[1:]}\n\n"
+    body += ": keep-alive\n\n" + sse(("1.0", "end", {"state": "failed"})).decode()
+
+    def respond(handler: BaseHTTPRequestHandler, _number: int) -> None:
+        send(handler, 200, body.encode(), "text/event-stream")
+
+    stand_in = StandIn(respond)
+    try:
+        with ApiaryClient(stand_in.url, retries=0) as client:
+            updates = list(client.stream(1))
+    finally:
+        stand_in.close()
+    assert updates == [EventPublic.model_validate(event), StreamEnd(state="failed")]
 
 
 def test_streams_resume_with_last_event_id_after_a_dropped_connection(spec: dict[str, Any]) -> None:
