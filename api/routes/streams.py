@@ -2,7 +2,9 @@
 
 The contract (event types, ids, resumption) is /work/notes/sse-protocol.md, kept in the README. Each
 stream polls the database by row id past its cursor, in a worker thread, with a session per poll
-(none is held across the sleeps), and stops when the client goes away.
+(none is held across the sleeps). sse-starlette frames the messages, sends the keep-alive comments and
+ends a stream when its client goes away or the server stops (with a plain StreamingResponse, uvicorn
+waited on an open stream after SIGTERM).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import JobsDep
@@ -37,18 +39,19 @@ router = APIRouter(tags=["streams"])
 
 POLL_S = 0.5  # how often a job stream looks for new rows
 QUEUES_POLL_S = 1.0  # how often the queues are read again (shared by every queues stream)
-KEEP_ALIVE_S = 15.0
+KEEP_ALIVE_S = 15.0  # a comment this often (sse-starlette sends it whatever else was sent)
 EVENTS_PER_POLL = 500
 METRICS_PER_POLL = 5_000
 
 
-def sse(event: str, data: str, *, id: str) -> bytes:
+SEP = "\n"  # sse-starlette's default is CRLF
+KEEP_ALIVE = ServerSentEvent(comment="keep-alive", sep=SEP)
+HEADERS = {"Cache-Control": "no-cache"}  # sse-starlette adds X-Accel-Buffering: no
+
+
+def sse(event: str, data: str, *, id: str) -> ServerSentEvent:
     """One message. `data` is one line of JSON (pydantic and json.dumps never write a newline)."""
-    return f"id: {id}\nevent: {event}\ndata: {data}\n\n".encode()
-
-
-KEEP_ALIVE = b": keep-alive\n\n"
-HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return ServerSentEvent(data, event=event, id=id, sep=SEP)
 
 
 def _resume_from(header: str, query: str) -> str | None:
@@ -121,38 +124,36 @@ def _poll_job(jobs: JobService, job_id: int, cursor: JobCursor) -> JobPoll:
 open_streams = 0
 
 
-async def _until_gone(request: Request, messages: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Pass `messages` on (an empty one means "nothing new") until the client disconnects, with a
-    keep-alive comment when nothing was sent for KEEP_ALIVE_S. Starlette also cancels a response whose
-    client went away (ASGI < 2.4); the check covers servers that do not."""
+async def _counted(messages: AsyncIterator[ServerSentEvent]) -> AsyncIterator[ServerSentEvent]:
     global open_streams
     open_streams += 1
-    last_sent = time.monotonic()
     try:
         async for message in messages:
-            if await request.is_disconnected():
-                return
-            if message:
-                yield message
-                last_sent = time.monotonic()
-            elif time.monotonic() - last_sent >= KEEP_ALIVE_S:
-                yield KEEP_ALIVE
-                last_sent = time.monotonic()
+            yield message
     finally:
         open_streams -= 1
 
 
-@router.get("/jobs/{job_id}/stream", response_class=StreamingResponse, responses=error_responses(404, 422))
+def _event_stream(messages: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
+    return EventSourceResponse(
+        _counted(messages),
+        headers=HEADERS,
+        sep=SEP,
+        ping=KEEP_ALIVE_S,
+        ping_message_factory=lambda: KEEP_ALIVE,
+    )
+
+
+@router.get("/jobs/{job_id}/stream", response_class=EventSourceResponse, responses=error_responses(404, 422))
 async def stream_job(
     job_id: JobId,
-    request: Request,
     jobs: JobsDep,
     # Not nullable ("" = not given): a client generating from the schema has no null for a header.
     last_event_id: Annotated[
         str, Query(pattern=JOB_CURSOR_PATTERN, description="Resume after this id (as Last-Event-ID).")
     ] = "",
     last_event_id_header: Annotated[str, Header(alias="Last-Event-ID", pattern=JOB_CURSOR_PATTERN)] = "",
-) -> StreamingResponse:
+) -> EventSourceResponse:
     """A job's state, events and metric points as server-sent events, until it ends (see the README's
     stream contract). 404 for an unknown job."""
     resume = _resume_from(last_event_id_header, last_event_id)
@@ -163,7 +164,7 @@ async def stream_job(
         raise _bad_cursor("header" if last_event_id_header else "query", resume) from None
     first = await run_in_threadpool(_poll_job, jobs, job_id, cursor)  # 404 here, before the stream starts
 
-    async def messages() -> AsyncIterator[bytes]:
+    async def messages() -> AsyncIterator[ServerSentEvent]:
         poll: JobPoll | None = first
         sent_state: str | None = None
         while True:
@@ -186,13 +187,10 @@ async def stream_job(
                 yield sse("end", json.dumps({"state": poll.job.state.value}), id=str(cursor))
                 return
             if not poll.more:
-                yield b""
                 await asyncio.sleep(POLL_S)
             poll = None
 
-    return StreamingResponse(
-        _until_gone(request, messages()), media_type="text/event-stream", headers=HEADERS
-    )
+    return _event_stream(messages())
 
 
 @dataclass
@@ -227,7 +225,7 @@ def _tracker(request: Request) -> QueuesTracker:
     return tracker
 
 
-@router.get("/queues/stream", response_class=StreamingResponse)
+@router.get("/queues/stream", response_class=EventSourceResponse)
 async def stream_queues(
     request: Request,
     jobs: JobsDep,
@@ -235,22 +233,18 @@ async def stream_queues(
         str, Query(max_length=32, description="Resume after this id (as Last-Event-ID).")
     ] = "",
     last_event_id_header: Annotated[str, Header(alias="Last-Event-ID", max_length=32)] = "",
-) -> StreamingResponse:
+) -> EventSourceResponse:
     """GET /queues' body as a server-sent event at connect and whenever it changes."""
     tracker = _tracker(request)
     resume = _resume_from(last_event_id_header, last_event_id)
 
-    async def messages() -> AsyncIterator[bytes]:
+    async def messages() -> AsyncIterator[ServerSentEvent]:
         sent = resume
         while True:
             version, body = await tracker.latest(jobs)
             if str(version) != sent:
                 yield sse("queues", body, id=str(version))
                 sent = str(version)
-            else:
-                yield b""
             await asyncio.sleep(QUEUES_POLL_S)
 
-    return StreamingResponse(
-        _until_gone(request, messages()), media_type="text/event-stream", headers=HEADERS
-    )
+    return _event_stream(messages())

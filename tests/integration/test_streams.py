@@ -3,12 +3,19 @@ HTTP on SQLite and PostgreSQL (contract: the README's "Live streams")."""
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from api.routes import streams
+from service.cluster import free_port
 from service.protocol import MAX_POINTS_PER_POST
 from tests.integration.conftest import Service
 from tests.support.jobs import classification_job
@@ -135,6 +142,51 @@ def test_a_client_that_goes_away_ends_its_stream(service: Service, spec: dict[st
     for reader in readers:
         reader.close()
     wait_until(lambda: streams.open_streams == before, timeout_s=10, what="the streams ending")
+
+
+# `apiary serve` (api.server.serve) with the fake cluster: the stop signal is not under test elsewhere.
+SERVE = """
+import sys
+from api.app import create_app
+from api.server import serve
+from service.runtime import Runtime
+from service.settings import Settings
+from tests.support.fakes import FakeBackend
+port, database_url, data_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+settings = Settings(port=port, database_url=database_url, data_dir=data_dir, local_user="ada")
+serve(create_app(runtime=Runtime(settings, backend=FakeBackend())), host="127.0.0.1", port=port)
+"""
+
+
+def test_a_stop_signal_ends_the_open_streams(database_url: str, tmp_path: Path) -> None:
+    """A browser on the web view holds a stream open: SIGTERM still stops the service."""
+    port = free_port()
+    args = [sys.executable, "-c", SERVE, str(port), database_url, str(tmp_path / "data")]
+    process = subprocess.Popen(args, env={**os.environ, "PYTHONPATH": os.getcwd()}, stderr=subprocess.PIPE)
+    reader = None
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(f"{url}/healthz"), timeout_s=60, what="apiary serve answering")
+        reader = SseReader(url, "/queues/stream")
+        first = reader.next()
+        assert first is not None and first.event == "queues"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) in (0, -signal.SIGTERM)
+        assert reader.next() is None  # the stream ended cleanly
+        assert process.stderr is not None and b"Application shutdown complete" in process.stderr.read()
+    finally:
+        if reader is not None:
+            reader.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def test_the_queues_stream_sends_a_snapshot_then_each_change(service: Service, spec: dict[str, Any]) -> None:
