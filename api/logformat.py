@@ -8,38 +8,34 @@ traceback. Values that are not JSON (paths, enums, datetimes) are written as the
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import UTC, datetime
 from typing import Any
 
+from pythonjsonlogger.core import RESERVED_ATTRS
+from pythonjsonlogger.json import JsonFormatter as _JsonFormatter
+
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-# Attributes every LogRecord has; anything else on a record came from `extra` (uvicorn's
-# `color_message` is its message again, with terminal colours).
-_RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
-    "message",
-    "asctime",
-    "color_message",
-}
 
+class JsonFormatter(_JsonFormatter):
+    def __init__(self) -> None:
+        super().__init__(
+            "{levelname}{name}{message}",
+            style="{",
+            rename_fields={"levelname": "level", "name": "logger"},
+            # An `extra` does not replace the fixed fields; uvicorn's `color_message` is its message
+            # again, with terminal colours.
+            reserved_attrs=[*RESERVED_ATTRS, "time", "level", "logger", "color_message"],
+            json_default=str,
+        )
 
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, Any] = {
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        for key, value in vars(record).items():
-            if key not in _RECORD_ATTRS and not key.startswith("_") and key not in line:
-                line[key] = value
-        if record.exc_info:
-            line["exc_info"] = self.formatException(record.exc_info)
-        elif record.stack_info:
-            line["stack_info"] = self.formatStack(record.stack_info)
-        return json.dumps(line, default=str)
+    def add_fields(
+        self, log_data: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]
+    ) -> None:
+        # Milliseconds and a "T": the library's own timestamp goes through `json_default` (str).
+        log_data["time"] = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
+        super().add_fields(log_data, record, message_dict)
 
 
 def configure_logging(log_format: str, *, level: int = logging.INFO) -> None:
