@@ -30,8 +30,8 @@ from api.schemas import (
     QueuesPublic,
     error_responses,
 )
-from service import repository
 from service.jobs import JobService
+from service.store import repository
 
 router = APIRouter(tags=["streams"])
 

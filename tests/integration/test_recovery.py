@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from service import repository
 from service.cluster import RayJobStatus
-from service.protocol import error_line
+from service.contract.protocol import error_line
+from service.store import repository
 from tests.integration.conftest import Service
 from tests.integration.test_scheduler import run_to_running
 

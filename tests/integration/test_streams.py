@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from api.routes import streams
-from service.protocol import MAX_POINTS_PER_POST
+from service.contract.protocol import MAX_POINTS_PER_POST
 from tests.integration.conftest import Service
 from tests.support.jobs import classification_job
 from tests.support.sse import SseReader

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from api.demo import write_shards
-from service.errors import DatasetError
-from service.protocol import error_line
+from service.contract.errors import DatasetError
+from service.contract.protocol import error_line
 from tests.support import custom_trainer
 from tests.support.datasets import write_classes, write_tokens
 from tests.support.jobs import launch_environment, make_request, make_spec

@@ -15,7 +15,7 @@ import pyarrow as pa
 import ray.train
 import torch
 
-from service.protocol import LaunchRequest
+from service.contract.protocol import LaunchRequest
 from trainers.data import DatasetInfo, iter_batches_for_rank
 
 

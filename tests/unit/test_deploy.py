@@ -22,8 +22,8 @@ from pydantic import AliasChoices
 from sqlalchemy.engine import make_url
 
 from api.cli import app
+from service.contract.spec import JobSpec, parse_spec_text
 from service.settings import Settings
-from service.spec import JobSpec, parse_spec_text
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
