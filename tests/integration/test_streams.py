@@ -1,5 +1,5 @@
 """The SSE streams (GET /jobs/{id}/stream, GET /queues/stream) and the metrics' downsampling, over real
-HTTP on SQLite and PostgreSQL (contract: the README's "Live streams")."""
+HTTP on SQLite and PostgreSQL (contract: docs/jobs.md, "Live streams")."""
 
 from __future__ import annotations
 
