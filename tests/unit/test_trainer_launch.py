@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import ray.train
 
-from service.errors import DatasetError
-from service.protocol import LAUNCH_ENV_VAR, MAX_REASON_CHARS, error_line
+from service.contract.errors import DatasetError
+from service.contract.protocol import LAUNCH_ENV_VAR, MAX_REASON_CHARS, error_line
 from tests.support.jobs import make_spec
 from trainers.launch import (
     TrainingFailed,
