@@ -16,14 +16,14 @@ from api.limits import BodyLimit
 from api.routes import auth, internal, jobs, logs, metrics, plan, queues, streams
 from api.schemas import Alive, Health, error_responses
 from api.web import views as web
-from service.errors import ClusterUnavailable
+from service.contract.errors import ClusterUnavailable
 from service.runtime import Runtime
 from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 
-# Pydantic writes a bound that sits outside a before-validator (an optional `service.spec.Int` with
+# Pydantic writes a bound that sits outside a before-validator (an optional `service.contract.spec.Int` with
 # `ge=1`) under its own keyword; JSON Schema's names are what clients generating from the schema read.
 _BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
 

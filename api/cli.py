@@ -21,9 +21,9 @@ from api.client import ApiaryClientError
 from api.demo import run_demo_job, write_demo_dataset
 from api.logformat import configure_logging
 from service.cluster import free_port
-from service.errors import one_line
+from service.contract.errors import one_line
+from service.contract.spec import DataFormat
 from service.settings import Settings
-from service.spec import DataFormat
 
 app = typer.Typer(
     help="Apiary: queue and run distributed PyTorch training jobs on Ray.", no_args_is_help=True
@@ -142,9 +142,9 @@ def simulate(
 ) -> None:
     """Replay a job trace through a scheduling policy in simulated time (no Ray, no database), or
     generate a trace: most jobs small and short, a few large and long, bursty daily arrivals."""
-    from service import simulate as sim
-    from service.policy import POLICIES
-    from service.queues import load
+    from service.contract.queues import load
+    from service.scheduling import simulate as sim
+    from service.scheduling.policy import POLICIES
 
     if generate is not None:
         sim.write_trace(sim.generate(generate, seed=seed), sys.stdout)

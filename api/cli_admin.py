@@ -19,9 +19,9 @@ from rich.table import Table
 
 from api.schemas import TokenPublic
 from service.auth import CREATE_TOKEN_HINT, Auth, is_loopback
-from service.db import Database
-from service.errors import ApiaryError
+from service.contract.errors import ApiaryError
 from service.settings import Settings
+from service.store.db import Database
 
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)

@@ -21,9 +21,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
 from api.logformat import configure_logging
-from service import db
-from service.errors import one_line
+from service.contract.errors import one_line
 from service.settings import Settings
+from service.store import db
 
 console = Console(soft_wrap=True)
 

@@ -28,9 +28,9 @@ from rich.table import Table
 
 from api.client import ApiaryClient, ApiaryClientError, ApiaryInvalid
 from api.schemas import JobPublic
-from service.errors import one_line
-from service.spec import JobSpec, field_line, parse_spec_text
-from service.states import TERMINAL_STATES, JobState
+from service.contract.errors import one_line
+from service.contract.spec import JobSpec, field_line, parse_spec_text
+from service.contract.states import TERMINAL_STATES, JobState
 
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)

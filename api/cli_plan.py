@@ -1,4 +1,4 @@
-"""`apiary plan`: the cluster math of a run (service.planner) as a table, or one flat JSON object.
+"""`apiary plan`: the cluster math of a run (service.planning.formulas) as a table, or one flat JSON object.
 
     apiary plan job.yaml --params 7e9 --step-time-s 1.2 --link-gbps 100 --storage-gbytes-per-s 2 \\
         --mtbf-h 24 --restart-s 120 --price-per-gpu-h 2.5 --spot-discount 0.6 --spot-preemptions-per-h 0.2
@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from api.client import ApiaryClient, ApiaryClientError
-from service.errors import one_line
-from service.planner import Plan, Row, facts_from_spec, merge_facts, plan
-from service.spec import JobSpec, parse_spec_text
+from service.contract.errors import one_line
+from service.contract.spec import JobSpec, parse_spec_text
+from service.planning.formulas import Plan, Row, facts_from_spec, merge_facts, plan
 
 console = Console(soft_wrap=True)
 

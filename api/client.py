@@ -51,8 +51,8 @@ from api.schemas import (
     TokensPublic,
     UserPublic,
 )
-from service.spec import JobSpec, parse_spec_text
-from service.states import TERMINAL_STATES, JobState
+from service.contract.spec import JobSpec, parse_spec_text
+from service.contract.states import TERMINAL_STATES, JobState
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 Model = TypeVar("Model", bound=BaseModel)
@@ -489,7 +489,8 @@ class ApiaryClient:
         job_id: int | None = None,
     ) -> dict[str, Any]:
         """The cluster math of a run (POST /plan): {"plan": flat quantities, "rows", "facts", "sources"}.
-        Facts (service.planner.PlanFacts names) win over the job's measurements, which win over the spec."""
+        Facts (service.planning.formulas.PlanFacts names) win over the job's measurements, which win over the
+        spec."""
         if isinstance(spec, JobSpec):
             spec = spec.model_dump(mode="json")
         body = {"facts": facts or {}, "spec": spec, "job_id": job_id}

@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 from rich.console import Console
 
 from api.client import ApiaryClient
-from service.states import TERMINAL_STATES
-from service.storage import resolve_uri
+from service.contract.states import TERMINAL_STATES
+from service.contract.storage import resolve_uri
 
 DEMO_VOCAB_SIZE = 64
 

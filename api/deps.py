@@ -11,7 +11,7 @@ from api.schemas import error_responses
 from service.auth import Auth, User
 from service.jobs import JobService
 from service.runtime import Runtime
-from service.scheduler import Scheduler
+from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
 
 TOKEN_COOKIE = "apiary_token"  # the web view's token (set by POST /login), HttpOnly

@@ -14,7 +14,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 from starlette.routing import Match, Route
 
-from service.errors import (
+from service.contract.errors import (
     ApiaryError,
     AttemptSuperseded,
     ClusterUnavailable,

@@ -5,7 +5,7 @@
   (`BodyLimit`, a pure ASGI middleware: it also counts a body sent without Content-Length).
 - Integers in paths and queries: `JobId`, and `le=MAX_INT` on each query: at most `MAX_INT`
   (2**53 - 1, which every JSON client reads exactly and every 64-bit column holds); bodies use
-  `service.spec.Int` the same way.
+  `service.contract.spec.Int` the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Annotated
 from fastapi import Path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.spec import MAX_INT
+from service.contract.spec import MAX_INT
 
 MAX_BODY_BYTES = 1024 * 1024
 MAX_INTERNAL_BODY_BYTES = 8 * 1024 * 1024

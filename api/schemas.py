@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from service.queues import QueueConfig
-from service.spec import MAX_PRIORITY, Bool, Int, JobSpec, Queue
-from service.states import CheckpointState, JobState
+from service.contract.queues import QueueConfig
+from service.contract.spec import MAX_PRIORITY, Bool, Int, JobSpec, Queue
+from service.contract.states import CheckpointState, JobState
 
 if TYPE_CHECKING:  # the SDK (api.client) reads these schemas without the database's modules
     from service.jobs import QueueView
-    from service.models import ApiToken, Checkpoint, Job, JobEvent, Metric
+    from service.store.models import ApiToken, Checkpoint, Job, JobEvent, Metric
 
 
 class JobUpdate(BaseModel):

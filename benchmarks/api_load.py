@@ -56,8 +56,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from fake_cluster import FakeCluster  # noqa: E402
 
 from service.cluster import free_port  # noqa: E402
-from service.db import Database  # noqa: E402
-from service.models import IdempotencyKey, Job  # noqa: E402
+from service.store.db import Database  # noqa: E402
+from service.store.models import IdempotencyKey, Job  # noqa: E402
 from tests.support.databases import fresh_postgres_database  # noqa: E402
 
 PG_ADMIN_URL = os.environ.get("APIARY_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")

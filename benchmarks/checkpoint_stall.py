@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from service.protocol import LaunchRequest
-from service.spec import JobSpec
+from service.contract.protocol import LaunchRequest
+from service.contract.spec import JobSpec
 from trainers.checkpoint import (
     Checkpointer,
     CheckpointWriter,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from service.capacity import ClusterSnapshot, NodeCapacity
 from service.cluster import RayJobInfo, RayJobStatus
-from service.policy import ClusterSnapshot, NodeCapacity
 
 
 @dataclass

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 # Run as a script from the repository root: make `service` and `trainers` importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.spec import JobSpec, Strategy
+from service.contract.spec import JobSpec, Strategy
 from trainers.parallel import clip_grad_norm, parallelize
 from trainers.registry import builtin_trainer
 

@@ -55,7 +55,7 @@ from torch.profiler import record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.spec import FsdpSpec, FsdpUnits, JobSpec, Strategy
+from service.contract.spec import FsdpSpec, FsdpUnits, JobSpec, Strategy
 from trainers.parallel import autocast, fsdp_units, is_sharded, parallelize, param_bytes
 from trainers.registry import builtin_trainer
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU node's check, in one command (about 4 minutes): what README's "GPU notes" report, again.
+# The GPU node's check, in one command (about 4 minutes): what docs/performance.md's "GPU notes" report, again.
 #
 #     bash benchmarks/gpu_check.sh            # on a node with an NVIDIA GPU, from the repo's root or not
 #

@@ -34,8 +34,8 @@ import pyarrow.parquet as pq
 import ray
 
 from api.demo import token_table, write_shards
-from service.protocol import LaunchRequest
-from service.spec import JobSpec
+from service.contract.protocol import LaunchRequest
+from service.contract.spec import JobSpec
 from trainers.data import DatasetInfo, inspect_dataset, iter_batches_for_rank
 from trainers.registry import builtin_trainer
 

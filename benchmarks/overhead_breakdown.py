@@ -64,7 +64,7 @@ from overhead import (  # noqa: E402
 )
 
 from api.client import ApiaryClient  # noqa: E402
-from service.states import TERMINAL_STATES  # noqa: E402
+from service.contract.states import TERMINAL_STATES  # noqa: E402
 
 # Process titles (Ray sets `ray::<Class>` on its worker processes) that are the resident cluster's.
 CLUSTER_RAY_TITLES = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")

@@ -31,8 +31,8 @@ from torch import nn
 # Run as a script from the repository root: make `service` and `trainers` importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.spec import JobSpec
-from service.storage import list_shards
+from service.contract.spec import JobSpec
+from service.contract.storage import list_shards
 from trainers.registry import builtin_trainer
 
 

@@ -3,15 +3,15 @@
     .venv/bin/python benchmarks/policy_value.py            # 10,000 jobs, ~2-3 minutes here
     .venv/bin/python benchmarks/policy_value.py --jobs 2000 --seed 3
 
-One run: `service.simulate.generate` writes a trace (its default shape: most jobs small and short,
+One run: `service.scheduling.simulate.generate` writes a trace (its default shape: most jobs small and short,
 a few large and long ones that hold most GPU-hours, some larger than the full-scale share, bursty
-daily arrivals, ~90% offered load) for 8 nodes x 8 GPUs, and `service.simulate.simulate` replays it
+daily arrivals, ~90% offered load) for 8 nodes x 8 GPUs, and `service.scheduling.simulate.simulate` replays it
 through each policy, in simulated time:
 
 - `fifo`: one line in submission order, strict head of line;
 - `greedy`: one line in submission order, any job that fits starts (first-fit);
-- `two-queue`: `service.policy.decide` with the default queues (research 0.3 / full-scale 0.7);
-- the two-queue policy with each protection switched off in turn (`service.policy.Rules`):
+- `two-queue`: `service.scheduling.policy.decide` with the default queues (research 0.3 / full-scale 0.7);
+- the two-queue policy with each protection switched off in turn (`service.scheduling.policy.Rules`):
   jobs larger than their queue's share become preemption victims; no reservations for heads; and
   preemption ignores minimum runtimes and checkpoint age (youngest first).
 
@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.policy import RULES, Rules  # noqa: E402
-from service.simulate import SimResult, generate, simulate  # noqa: E402
+from service.scheduling.policy import RULES, Rules  # noqa: E402
+from service.scheduling.simulate import SimResult, generate, simulate  # noqa: E402
 
 NODE = {"CPU": 32.0, "GPU": 8.0}
 

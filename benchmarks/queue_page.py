@@ -38,12 +38,12 @@ from api.app import create_app  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from fake_cluster import FakeCluster  # noqa: E402
 
-from service.db import Database  # noqa: E402
-from service.models import Job  # noqa: E402
+from service.contract.spec import JobSpec  # noqa: E402
+from service.contract.states import JobState  # noqa: E402
 from service.runtime import Runtime  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from service.spec import JobSpec  # noqa: E402
-from service.states import JobState  # noqa: E402
+from service.store.db import Database  # noqa: E402
+from service.store.models import Job  # noqa: E402
 from tests.support.databases import fresh_postgres_database  # noqa: E402
 
 PG_ADMIN_URL = os.environ.get("APIARY_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")

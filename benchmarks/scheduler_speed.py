@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/scheduler_speed.py          # ~2 minutes here; needs PostgreSQL
 
 In one run:
-1. `decide`: one pass of `service.policy.decide` over 10,000 queued and 500 running jobs on 64 nodes
+1. `decide`: one pass of `service.scheduling.policy.decide` over 10,000 queued and 500 running jobs on 64
+nodes
    (8 GPUs, 32 CPUs each), with reasons and ETAs for every waiting job; the fifo baseline's pass over
    the same jobs beside it. Goal: under 50 ms.
 2. tick: `Scheduler.tick()` against SQLite and PostgreSQL holding those jobs (a fake cluster answers
@@ -46,15 +47,16 @@ from api.server import BackgroundServer  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from fake_cluster import FakeCluster  # noqa: E402
 
+from service.capacity import Gang  # noqa: E402
 from service.cluster import RayJobStatus, free_port  # noqa: E402
-from service.db import Database  # noqa: E402
-from service.models import Job  # noqa: E402
-from service.policy import Gang, decide, decide_fifo  # noqa: E402
+from service.contract.spec import JobSpec  # noqa: E402
+from service.contract.states import JobState  # noqa: E402
 from service.runtime import Runtime  # noqa: E402
-from service.scheduler import Scheduler  # noqa: E402
+from service.scheduling.policy import decide, decide_fifo  # noqa: E402
+from service.scheduling.scheduler import Scheduler  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from service.spec import JobSpec  # noqa: E402
-from service.states import JobState  # noqa: E402
+from service.store.db import Database  # noqa: E402
+from service.store.models import Job  # noqa: E402
 from tests.support.databases import fresh_postgres_database  # noqa: E402
 
 PG_ADMIN_URL = os.environ.get("APIARY_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")

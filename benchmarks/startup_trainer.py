@@ -16,7 +16,7 @@ import ray.train.torch
 import torch
 from torch import nn
 
-from service.protocol import LaunchRequest
+from service.contract.protocol import LaunchRequest
 from trainers import startup
 
 

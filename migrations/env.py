@@ -5,15 +5,15 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Engine
 
-from service.models import Base
+from service.store.models import Base
 
 
 def _engine() -> Engine:
     engine = context.config.attributes.get("engine")
     if engine is not None:
         return engine
-    from service.db import build_engine
     from service.settings import Settings
+    from service.store.db import build_engine
 
     return build_engine(Settings().resolved_database_url)
 

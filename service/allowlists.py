@@ -13,7 +13,8 @@ Datasets (`check_dataset`). A dataset URI must lie under one of the data roots
 (`Settings.data_roots`, `APIARY_DATA_ROOTS`: comma-separated `file:///abs/path` (or `/abs/path`)
 folders and `s3://bucket/prefix` prefixes, `s3://` for any bucket; default: the data dir and any
 `s3://`). A local path is resolved first (`..`, symlinks), so `file:///data/../etc` is `/etc`. Only
-then is it listed, bounded in files and depth (`service.storage.list_shards`), in a worker thread that
+then is it listed, bounded in files and depth (`service.contract.storage.list_shards`), in a worker thread
+that
 the request waits for at most `Settings.dataset_check_timeout_s`. "Not allowed" and "not found" give
 the same message, so that the answers cannot be used to map the API host's files.
 """
@@ -28,10 +29,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from service.errors import DatasetError, InvalidSpec
-from service.protocol import find_module
-from service.spec import BUILTIN_TRAINERS, DataFormat
-from service.storage import MAX_LIST_DEPTH, MAX_LIST_ENTRIES, DatasetMissing, list_shards
+from service.contract.errors import DatasetError, InvalidSpec
+from service.contract.protocol import find_module
+from service.contract.spec import BUILTIN_TRAINERS, DataFormat
+from service.contract.storage import MAX_LIST_DEPTH, MAX_LIST_ENTRIES, DatasetMissing, list_shards
 
 # Listings of all submissions share these threads: a flood of slow listings waits in line (and times
 # out) instead of starting a thread each.

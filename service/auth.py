@@ -27,11 +27,11 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from service import repository
-from service.db import Database
-from service.errors import Forbidden, InvalidSpec, Unauthenticated
-from service.models import ApiToken
+from service.contract.errors import Forbidden, InvalidSpec, Unauthenticated
 from service.settings import Settings
+from service.store import repository
+from service.store.db import Database
+from service.store.models import ApiToken
 
 TOKEN_PREFIX = "apiary_"
 USER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")

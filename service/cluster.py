@@ -5,7 +5,7 @@ State API and the cluster status), so the service never becomes a Ray driver its
 Capacity is each alive node's total (State API) and what Ray reports in use on it
 by anyone: the autoscaler monitor's load report (`/api/cluster_status`, rewritten
 every few seconds), from which the policy tells other Ray users' use from
-Apiary's own (service.policy glossary: foreign use). `LocalRay`
+Apiary's own (service.scheduling.policy glossary: foreign use). `LocalRay`
 starts the embedded default: `ray start --head --block` as its own process
 group, with explicit free ports (Redis may hold 6379), its temp folder under the
 data dir and more logical CPUs than cores (so Ray Data's read tasks run beside
@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
-from service.errors import ClusterUnavailable
-from service.policy import ClusterSnapshot, NodeCapacity, format_resources
+from service.capacity import ClusterSnapshot, NodeCapacity, format_resources
+from service.contract.errors import ClusterUnavailable
 
 if TYPE_CHECKING:
     from ray.util.state.common import NodeState

@@ -23,12 +23,12 @@ from datetime import datetime, timedelta
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import auth, logs, repository
+from service import auth, logs
 from service.allowlists import check_dataset, check_trainer
 from service.auth import User
+from service.capacity import ClusterSnapshot, capacity_text, fits_empty_cluster, gang_for
 from service.cluster import ClusterBackend, stop_job
-from service.db import Database
-from service.errors import (
+from service.contract.errors import (
     AttemptSuperseded,
     ClusterUnavailable,
     IdempotencyKeyReused,
@@ -38,7 +38,7 @@ from service.errors import (
     ReportRefused,
     Unschedulable,
 )
-from service.handoff import (
+from service.contract.handoff import (
     handoff_uri,
     is_own_checkpoint,
     job_prefix,
@@ -46,15 +46,22 @@ from service.handoff import (
     token_hash,
     token_matches,
 )
-from service.models import Checkpoint, IdempotencyKey, Job, JobEvent, Metric, utcnow
+from service.contract.protocol import (
+    GROUP_STARTED,
+    WORKER_FAILED,
+    LaunchPointer,
+    TelemetryBatch,
+    TelemetryReply,
+)
+from service.contract.queues import QueueConfig
+from service.contract.spec import JobSpec, Queue
+from service.contract.states import JobState, StopReason
+from service.contract.storage import node_local
 from service.observability import Gauges, Metrics, RunningJob
-from service.policy import ClusterSnapshot, Gang, SpreadBundle, capacity_text, fits_empty_cluster
-from service.protocol import GROUP_STARTED, WORKER_FAILED, LaunchPointer, TelemetryBatch, TelemetryReply
-from service.queues import QueueConfig
 from service.settings import Settings
-from service.spec import JobSpec, Placement, Queue
-from service.states import JobState, StopReason
-from service.storage import node_local
+from service.store import repository
+from service.store.db import Database
+from service.store.models import Checkpoint, IdempotencyKey, Job, JobEvent, Metric, utcnow
 
 logger = logging.getLogger(__name__)
 
@@ -87,26 +94,6 @@ def _resumed_from(batch: TelemetryBatch) -> int | None:
         if event.kind == GROUP_STARTED:
             return event.step
     return min(point.step for point in batch.points) - 1 if batch.points else None
-
-
-def gang_for(
-    job_id: int, spec: JobSpec, *, data_cpus: float, owner: str = "", submitted_at: float = 0.0
-) -> Gang:
-    return Gang(
-        job_id=job_id,
-        queue=spec.queue.value,
-        priority=spec.priority,
-        # Admission needs the min gang of an elastic job (service.policy glossary: elastic gang).
-        num_workers=spec.min_workers,
-        max_workers=spec.max_workers if spec.is_elastic else None,
-        per_worker=(SpreadBundle if spec.placement is Placement.STRICT_SPREAD else dict)(
-            spec.resources_per_worker
-        ),
-        extra={"CPU": data_cpus},
-        owner=owner,
-        submitted_at=submitted_at,
-        max_runtime_s=spec.max_runtime_s,
-    )
 
 
 def request_hash(spec: JobSpec) -> str:
@@ -280,7 +267,8 @@ class JobService:
         """Store a trainer rank's telemetry (its metric points, maybe a saved checkpoint); the reply
         tells the rank whether to checkpoint and stop.
 
-        Only the job's current attempt may report, with its report token (service.handoff), and only a
+        Only the job's current attempt may report, with its report token (service.contract.handoff), and only
+        a
         checkpoint under the job's own storage prefix: anything else is refused and changes nothing
         (`AttemptSuperseded` for an attempt that was given up, `ReportRefused`, `InvalidReport`). An
         attempt that was given up but shows its own token keeps its points, and nothing else, and is

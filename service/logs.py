@@ -16,10 +16,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from service import repository
 from service.cluster import ClusterBackend, RayJobStatus, submission_prefix
-from service.db import Database
-from service.errors import ClusterUnavailable, JobNotStarted, LogsNotFound, one_line
+from service.contract.errors import ClusterUnavailable, JobNotStarted, LogsNotFound, one_line
+from service.store import repository
+from service.store.db import Database
 
 LIVE_STATUSES = (RayJobStatus.PENDING, RayJobStatus.RUNNING)
 

@@ -25,8 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.spec import Queue
-from service.states import JobState
+from service.contract.spec import Queue
+from service.contract.states import JobState
 
 logger = logging.getLogger(__name__)
 

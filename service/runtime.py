@@ -7,12 +7,12 @@ import threading
 
 from service.auth import Auth
 from service.cluster import ClusterBackend, LocalRay, RayBackend, pid_running
-from service.db import Database
-from service.errors import ClusterUnavailable
+from service.contract.errors import ClusterUnavailable
 from service.jobs import JobService
 from service.observability import Metrics
-from service.scheduler import Scheduler
+from service.scheduling.scheduler import Scheduler
 from service.settings import Settings, secret_value
+from service.store.db import Database
 
 logger = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service import queues
-from service.planner import DEFAULT_MTBF_S
-from service.queues import QueuesConfig
-from service.spec import MAX_PRIORITY
+from service.contract import queues
+from service.contract.queues import QueuesConfig
+from service.contract.spec import MAX_PRIORITY
+from service.planning.formulas import DEFAULT_MTBF_S
 
 # Docker's and Kubernetes' secret files: a file named like the variable (`apiary_database_url`,
 # `apiary_ray_auth_token`, `aws_secret_access_key`) holds its value; an environment variable wins.
@@ -58,7 +58,7 @@ class Settings(BaseSettings):
         default=False,
         description="The local paths of storage_uri and of datasets are one shared mount (NFS, a "
         "cluster filesystem) that every Ray node sees: a local path is then accepted on a cluster of "
-        "more than one node (service.storage.node_local).",
+        "more than one node (service.contract.storage.node_local).",
     )
     job_python: str = Field(
         default=sys.executable,
@@ -134,7 +134,7 @@ class Settings(BaseSettings):
         default=DEFAULT_MTBF_S,
         gt=0,
         description="A job's mean time between failures for `checkpoint: {auto: true}` and `apiary plan` "
-        "until Apiary has observed a failure (service.planning).",
+        "until Apiary has observed a failure (service.planning.measured).",
     )
     hang_floor_s: float = Field(
         default=60.0,
@@ -170,7 +170,8 @@ class Settings(BaseSettings):
         "ended ~3 s after its last checkpoint at Ray's default. Raise it for groups of hundreds of workers.",
     )
     queues_file: Path | None = Field(
-        default=None, description="YAML/JSON queue configuration over the built-in defaults (service.queues)."
+        default=None,
+        description="YAML/JSON queue configuration over the built-in defaults (service.contract.queues).",
     )
     scheduler_lease_s: float = Field(
         default=5.0,

@@ -4,11 +4,11 @@
 
 Rows keep their order: shard i holds the i-th contiguous run of rows, and the shards' row counts
 differ by at most one. Parquet shards are written with `row_group_rows` rows per row group (the
-trainer's unit of shuffling and of resume). The manifest (`_manifest.json`, see `service.storage`)
+trainer's unit of shuffling and of resume). The manifest (`_manifest.json`, see `service.contract.storage`)
 is written last, with each shard's rows, size and sha256, so a reader that finds it knows every
 shard is complete.
 
-The `.tar` layout of WebDataset shards is `service.webdataset`'s.
+The `.tar` layout of WebDataset shards is `service.contract.webdataset`'s.
 
 """
 
@@ -23,9 +23,9 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from service.errors import DatasetError, one_line
-from service.spec import DataFormat
-from service.storage import (
+from service.contract.errors import DatasetError, one_line
+from service.contract.spec import DataFormat
+from service.contract.storage import (
     SHARD_SUFFIXES,
     Manifest,
     ShardEntry,
@@ -33,7 +33,7 @@ from service.storage import (
     schema_fields,
     write_manifest,
 )
-from service.webdataset import encode_webdataset
+from service.contract.webdataset import encode_webdataset
 
 logger = logging.getLogger(__name__)
 

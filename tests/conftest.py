@@ -60,7 +60,7 @@ class MigratedTemplates:
 
 @pytest.fixture(scope="session")
 def migrated_templates(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MigratedTemplates]:
-    from service.db import build_engine, upgrade
+    from service.store.db import build_engine, upgrade
 
     sqlite_file = tmp_path_factory.mktemp("template") / "apiary.db"
     with fresh_postgres_database(PG_ADMIN_URL, prefix="apiary_template") as postgres:

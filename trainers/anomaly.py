@@ -28,7 +28,7 @@ decodes the same table into the same `StepVerdict`. When several ranks saw somet
 names the root cause: a loss before a gradient norm (a bad loss is why the norm is bad), a
 non-finite value before a spike, then the lowest rank.
 
-What happens then is the spec's `on_anomaly` (`service.spec.AnomalyAction`), carried out by the
+What happens then is the spec's `on_anomaly` (`service.contract.spec.AnomalyAction`), carried out by the
 train loop (`trainers.loop`).
 """
 
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from service.spec import AnomalySpec
+from service.contract.spec import AnomalySpec
 
 AnomalyKind = Literal["nan", "inf", "spike"]
 Metric = Literal["loss", "grad_norm"]

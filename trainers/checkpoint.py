@@ -94,11 +94,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from service.errors import one_line
-from service.planner import DEFAULT_MTBF_S, auto_checkpoint_interval_s, young_interval_s
-from service.protocol import LaunchRequest
-from service.spec import JobSpec
-from service.storage import checkpoint_uri, resolve_uri, sha256_of
+from service.contract.errors import one_line
+from service.contract.protocol import LaunchRequest
+from service.contract.spec import JobSpec
+from service.contract.storage import checkpoint_uri, resolve_uri, sha256_of
+from service.planning.formulas import DEFAULT_MTBF_S, auto_checkpoint_interval_s, young_interval_s
 from trainers.data_order import DataPosition
 from trainers.parallel import is_sharded, unwrap_model
 from trainers.registry import RowShape, builtin_trainer
@@ -835,7 +835,8 @@ class AutoCadence:
 
 
 def auto_cadence(*, save_s: float, mtbf_s: float, mtbf_basis: str, async_: bool) -> AutoCadence:
-    """The cadence for a measured save time and an MTBF: Daly's optimum (service.planner), treating the
+    """The cadence for a measured save time and an MTBF: Daly's optimum (service.planning.formulas), treating
+    the
     whole write as the save's cost (an async save stalls less, so this errs towards saving less often);
     an async save is never due before the last one could be written."""
     floor_s = save_s if async_ else 0.0

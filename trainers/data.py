@@ -12,7 +12,7 @@ The worker side is `iter_batches_for_rank`: (epoch, batch) forever from a data p
 through Ray Data in an order that is a function of (seed, epoch, world size) only
 (`trainers.data_stream`); the train loop, not the data, owns the step count.
 
-Formats: `parquet` shards, and `webdataset` `.tar` shards in the layout of `service.webdataset`.
+Formats: `parquet` shards, and `webdataset` `.tar` shards in the layout of `service.contract.webdataset`.
 
 An `id` column, when present, is the sample id that `LaunchRequest.data_trace_dir` records (see
 `RankBatches`).
@@ -31,11 +31,11 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from service.errors import DatasetError, one_line
-from service.protocol import LaunchRequest
-from service.spec import BUILTIN_TRAINERS, DataFormat, JobSpec
-from service.storage import Manifest, list_shards, read_manifest, validate_manifest
-from service.webdataset import count_webdataset_samples, iter_webdataset_samples
+from service.contract.errors import DatasetError, one_line
+from service.contract.protocol import LaunchRequest
+from service.contract.spec import BUILTIN_TRAINERS, DataFormat, JobSpec
+from service.contract.storage import Manifest, list_shards, read_manifest, validate_manifest
+from service.contract.webdataset import count_webdataset_samples, iter_webdataset_samples
 from trainers.data_order import DataOrder, DataPosition, Unit
 from trainers.data_stream import Batch, BatchStream, ShardSource, iter_rank_batches
 from trainers.registry import builtin_trainer

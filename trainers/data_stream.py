@@ -35,10 +35,10 @@ from ray.data import ExecutionResources
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from service.errors import DatasetError, one_line
-from service.spec import DataFormat
-from service.storage import resolve_uri
-from service.webdataset import decode_webdataset
+from service.contract.errors import DatasetError, one_line
+from service.contract.spec import DataFormat
+from service.contract.storage import resolve_uri
+from service.contract.webdataset import decode_webdataset
 from trainers.data_order import DataOrder, DataPosition, Slice, seek
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,9 @@
 """Entrypoint of one training job on the Ray cluster.
 
 The service submits it as a Ray job, with a `LaunchPointer` as JSON in `APIARY_LAUNCH`
-(`service.protocol`); the `LaunchRequest` itself (the spec with it) is in the attempt's handoff folder
-in storage (`service.handoff`):
+(`service.contract.protocol`); the `LaunchRequest` itself (the spec with it) is in the attempt's handoff
+folder
+in storage (`service.contract.handoff`):
 
     APIARY_LAUNCH='{"job_id": 1, "attempt": 1, "handoff_uri": "file:///.../job-1/_apiary/attempt-1"}' \
         python -m trainers.launch
@@ -25,7 +26,7 @@ start-up marks (`trainers.startup`) for `benchmarks/overhead.py`.
 Exit status 0 means the job reached `max_steps`. Anything else exits 1 with, as the last line on
 stderr, `apiary-error: <one-line reason a user can act on>` when the job failed for good (its code,
 its data, its failure budget spent) or `apiary-retry: <reason>` when something outside it failed
-(`service.protocol.error_line`); the service's reconciler reads the last such line from the Ray
+(`service.contract.protocol.error_line`); the service's reconciler reads the last such line from the Ray
 job's logs and recovers a retryable failure from the latest checkpoint.
 
 Failures inside the run: Ray Train restarts the worker group from the latest checkpoint when a worker
@@ -63,9 +64,9 @@ from ray.data import ExecutionOptions, ExecutionResources
 from ray.train.v2.api.config import FailureConfig
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
-from service.errors import one_line
-from service.handoff import LOOP_CONFIG_KEY, pointer_from_env, read_launch, read_token
-from service.protocol import (
+from service.contract.errors import one_line
+from service.contract.handoff import LOOP_CONFIG_KEY, pointer_from_env, read_launch, read_token
+from service.contract.protocol import (
     LAUNCH_ENV_VAR,
     WORKER_FAILED,
     LaunchPointer,
@@ -74,8 +75,8 @@ from service.protocol import (
     error_line,
     find_module,
 )
-from service.spec import BUILTIN_TRAINERS, JobSpec
-from service.storage import checkpoint_uri, resolve_uri
+from service.contract.spec import BUILTIN_TRAINERS, JobSpec
+from service.contract.storage import checkpoint_uri, resolve_uri
 from trainers import startup
 from trainers.backend import ProcessGroupConfig
 from trainers.data import DatasetInfo, inspect_dataset
@@ -170,7 +171,7 @@ class RunResult:
     run_name: str
     # Rank 0's metrics at the last checkpoint ("step", "samples_consumed" and the step metrics).
     metrics: dict[str, Any] = field(default_factory=dict)
-    # The latest checkpoint as a URI (see service.storage.checkpoint_uri) and as Ray reported it.
+    # The latest checkpoint as a URI (see service.contract.storage.checkpoint_uri) and as Ray reported it.
     checkpoint_uri: str | None = None
     checkpoint_path: str | None = None
     elapsed_s: float = 0.0
@@ -184,7 +185,7 @@ class RunResult:
 def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunResult:
     """Train one job to `max_steps` on the connected Ray cluster.
 
-    `pointer`: the attempt's handoff (service.handoff), whose report token every post to the control
+    `pointer`: the attempt's handoff (service.contract.handoff), whose report token every post to the control
     plane carries; None for a run without one (telemetry then goes without a token).
 
     Raises `ValueError` for a job that cannot run as specified (dataset, storage, trainer), found
@@ -223,7 +224,7 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
     trainer = ApiaryTrainer(
         train_fn,
         # The handoff pointer, not the token: Ray Train keeps the loop config; each worker reads the
-        # token from storage (service.handoff.loop_token).
+        # token from storage (service.contract.handoff.loop_token).
         train_loop_config={
             "request": request.model_dump(mode="json"),
             "dataset": dataset_info.to_dict(),
@@ -301,7 +302,7 @@ def custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
                                 (`LaunchRequest.model_validate(loop_config["request"])` gives it
                                 back; the JobSpec, with its free-form `config` dict, is `request.spec`)
         loop_config["dataset"]  what the driver learned of the dataset (`DatasetInfo.from_dict`)
-        loop_config["handoff"]  the attempt's handoff pointer (`service.handoff.loop_token` reads
+        loop_config["handoff"]  the attempt's handoff pointer (`service.contract.handoff.loop_token` reads
                                 its report token from it), or None
 
     It reads its shard with `ray.train.get_dataset_shard("train")` and must call

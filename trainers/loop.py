@@ -59,9 +59,9 @@ import ray.train.torch
 import ray.util
 import torch
 
-from service.handoff import loop_token
-from service.protocol import GROUP_STARTED, LaunchRequest
-from service.spec import AnomalyAction, JobSpec
+from service.contract.handoff import loop_token
+from service.contract.protocol import GROUP_STARTED, LaunchRequest
+from service.contract.spec import AnomalyAction, JobSpec
 from trainers import startup
 from trainers.anomaly import Anomaly, AnomalyDetector, decide, encode
 from trainers.checkpoint import Checkpointer, Resume, TrainParts, TrainState, seed_rank

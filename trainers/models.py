@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.spec import GPTConfig
+from service.contract.spec import GPTConfig
 
 
 class MLP(nn.Module):

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from service.spec import FsdpSpec, FsdpUnits, Strategy
+from service.contract.spec import FsdpSpec, FsdpUnits, Strategy
 
 logger = logging.getLogger(__name__)
 

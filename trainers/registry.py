@@ -2,7 +2,7 @@
 loss and its optimizer.
 
 `builtin_trainer(spec)` validates the spec's `config` against the trainer's schema once (the schemas
-are `service.spec.BUILTIN_CONFIGS`, which the API checks at submission) and returns the trainer
+are `service.contract.spec.BUILTIN_CONFIGS`, which the API checks at submission) and returns the trainer
 bound to it. Adding a built-in trainer is one class here and its config schema there.
 
 - `mlp`: rows of `features` (a list of numbers, the same length in every row; its length is the
@@ -34,9 +34,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel
 
-from service.errors import DatasetError
-from service.spec import BUILTIN_CONFIGS, GPTConfig, JobSpec, MLPConfig
-from service.storage import is_list_type, is_number_type
+from service.contract.errors import DatasetError
+from service.contract.spec import BUILTIN_CONFIGS, GPTConfig, JobSpec, MLPConfig
+from service.contract.storage import is_list_type, is_number_type
 
 if TYPE_CHECKING:
     import torch

@@ -1,16 +1,17 @@
 """Telemetry: every rank's metric points, and rank 0's saved checkpoints, posted to the control plane.
 
-Each rank owns one `Telemetry` (`service.protocol`'s telemetry channel). The train loop calls
+Each rank owns one `Telemetry` (`service.contract.protocol`'s telemetry channel). The train loop calls
 `record()` once per step (cheap: an append under a lock); once started, a background thread posts
 the buffered points as a `TelemetryBatch` JSON to the job's telemetry URL about once a second, or
 sooner when 200 points are waiting, and `close()` posts the rest. Rank 0 also calls
 `checkpoint_saved()` right after a checkpoint is persisted, which wakes the thread, and any rank
 `event()` for a fact that belongs in the job's timeline (a group start, an anomaly). Every post
-carries the attempt and the worker group's `segment` (`service.protocol.TelemetryBatch`), set once
+carries the attempt and the worker group's `segment` (`service.contract.protocol.TelemetryBatch`), set once
 the ranks agreed on it. Until `start()` (or `with`), nothing is posted but by an explicit
 `flush()`. A reply that says `stop` (the job was preempted or ran out of runtime) sets
 `stop_requested`, which the train loop reads every step. Every post carries the attempt's report
-token (`service.handoff`) as `Authorization: Bearer`; a 403 `AttemptSuperseded` reply (the attempt was
+token (`service.contract.handoff`) as `Authorization: Bearer`; a 403 `AttemptSuperseded` reply (the attempt
+was
 given up for a newer one) makes the rank exit at once, like a reply that says `superseded`.
 
 A NaN or infinite value is left out of its point (with a warning): the JSON of a TelemetryBatch
@@ -38,7 +39,7 @@ from types import TracebackType
 import httpx
 from pydantic import ValidationError
 
-from service.protocol import (
+from service.contract.protocol import (
     HEARTBEAT_S,
     SUPERSEDED_ERROR,
     CheckpointRecord,
@@ -159,7 +160,7 @@ class Telemetry:
         self._wake.set()
 
     def progress(self, phase: str, *, step: int | None = None) -> None:
-        """This rank enters `phase` (service.protocol.RankStatus), having completed `step` if given.
+        """This rank enters `phase` (service.contract.protocol.RankStatus), having completed `step` if given.
 
         Two attribute writes from the training thread: cheap enough for every step."""
         now = time.time()

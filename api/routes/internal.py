@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, status
 from api.deps import JobsDep
 from api.limits import JobId
 from api.schemas import error_responses
-from service.protocol import TelemetryBatch, TelemetryReply
+from service.contract.protocol import TelemetryBatch, TelemetryReply
 
 router = APIRouter(prefix="/internal", tags=["internal"])
 

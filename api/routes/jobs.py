@@ -21,8 +21,8 @@ from api.schemas import (
     MetricsPublic,
     error_responses,
 )
-from service.spec import MAX_INT, JobSpec
-from service.states import JobState
+from service.contract.spec import MAX_INT, JobSpec
+from service.contract.states import JobState
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 

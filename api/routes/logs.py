@@ -11,7 +11,7 @@ from starlette.responses import Response
 from api.deps import JobsDep
 from api.limits import JobId
 from api.schemas import error_responses
-from service.spec import MAX_INT
+from service.contract.spec import MAX_INT
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 

@@ -1,4 +1,5 @@
-"""POST /plan: the cluster math of a run (service.planner) from facts, a spec and what Apiary measured."""
+"""POST /plan: the cluster math of a run (service.planning.formulas) from facts, a spec and what Apiary
+measured."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from pydantic import BaseModel, Field
 
 from api.deps import RuntimeDep
 from api.schemas import error_responses
-from service.errors import InvalidSpec
-from service.planner import PlanFacts
-from service.planning import measured_plan
-from service.spec import MAX_INT, Int, JobSpec
+from service.contract.errors import InvalidSpec
+from service.contract.spec import MAX_INT, Int, JobSpec
+from service.planning.formulas import PlanFacts
+from service.planning.measured import measured_plan
 
 router = APIRouter(tags=["plan"])
 

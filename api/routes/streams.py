@@ -1,6 +1,6 @@
 """Server-sent event streams: a job's state, events and metric points as they are stored, and the queues.
 
-The contract (event types, ids, resumption) is /work/notes/sse-protocol.md, kept in the README. Each
+The contract (event types, ids, resumption) is docs/jobs.md, "Live streams" and the API table. Each
 stream polls the database by row id past its cursor, in a worker thread, with a session per poll
 (none is held across the sleeps), and stops when the client goes away.
 """
@@ -30,8 +30,8 @@ from api.schemas import (
     QueuesPublic,
     error_responses,
 )
-from service import repository
 from service.jobs import JobService
+from service.store import repository
 
 router = APIRouter(tags=["streams"])
 
@@ -153,8 +153,8 @@ async def stream_job(
     ] = "",
     last_event_id_header: Annotated[str, Header(alias="Last-Event-ID", pattern=JOB_CURSOR_PATTERN)] = "",
 ) -> StreamingResponse:
-    """A job's state, events and metric points as server-sent events, until it ends (see the README's
-    stream contract). 404 for an unknown job."""
+    """A job's state, events and metric points as server-sent events, until it ends (see docs/jobs.md,
+    "Live streams"). 404 for an unknown job."""
     resume = _resume_from(last_event_id_header, last_event_id)
     try:
         cursor = JobCursor.parse(resume) if resume else JobCursor()

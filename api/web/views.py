@@ -35,13 +35,13 @@ from starlette.types import Scope
 from api.deps import BEARER, COOKIE, TOKEN_COOKIE, AuthDep, JobsDep, get_current_user
 from api.limits import JobId
 from api.schemas import CheckpointPublic, EventPublic, JobPublic
-from service import repository
 from service.auth import Auth, User
-from service.errors import Unauthenticated
+from service.contract.errors import Unauthenticated
+from service.contract.spec import MAX_INT
+from service.contract.states import ACTIVE_STATES, JobState
 from service.jobs import QueueView
-from service.models import Job
-from service.spec import MAX_INT
-from service.states import ACTIVE_STATES, JobState
+from service.store import repository
+from service.store.models import Job
 
 HERE = Path(__file__).parent
 QUEUE_PAGE = 50  # queued jobs per queue on a page

@@ -15,7 +15,7 @@ import torch
 
 from api.client import ApiaryClient, ApiaryNotFound
 from api.schemas import JobPublic
-from service.states import TERMINAL_STATES
+from service.contract.states import TERMINAL_STATES
 from tests.e2e.conftest import Served, mlp_spec
 from tests.support.wait import wait_until
 from trainers.checkpoint import build_model_from_checkpoint, load_checkpoint

@@ -17,7 +17,7 @@ import yaml
 from api.app import create_app
 from api.server import BackgroundServer
 from service.cluster import ClusterBackend, free_port
-from service.handoff import job_prefix
+from service.contract.handoff import job_prefix
 from service.runtime import Runtime
 from service.settings import Settings
 from tests.support.fakes import FakeBackend
@@ -71,7 +71,7 @@ class Service:
 
 @pytest.fixture
 def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., Service]]:
-    """Starts the service (at most once per test), with `queues` (service.queues) if given, and any
+    """Starts the service (at most once per test), with `queues` (service.contract.queues) if given, and any
     other Settings; `log_level` is uvicorn's ("info" logs every request)."""
     servers: list[BackgroundServer] = []
 

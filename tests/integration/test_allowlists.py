@@ -14,8 +14,8 @@ import pytest
 from api.demo import classification_table, write_shards
 from service import allowlists
 from service.allowlists import check_dataset, check_trainer
-from service.errors import DatasetError, InvalidSpec
-from service.spec import DataFormat
+from service.contract.errors import DatasetError, InvalidSpec
+from service.contract.spec import DataFormat
 from tests.integration.conftest import Service
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from service.cluster import RayJobStatus
-from service.protocol import error_line
+from service.contract.protocol import error_line
 from tests.integration.conftest import Service
 
 

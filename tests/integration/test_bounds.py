@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import text
 
 from api.limits import MAX_BODY_BYTES
-from service.spec import MAX_CONFIG_BYTES, MAX_INT
+from service.contract.spec import MAX_CONFIG_BYTES, MAX_INT
 from tests.integration.conftest import Service
 from tests.integration.test_recovery import post
 from tests.integration.test_scheduler import run_to_running

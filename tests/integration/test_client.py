@@ -25,7 +25,7 @@ from api.client import (
 )
 from api.schemas import EventPublic, JobPublic, MetricsPublic
 from service.cluster import RayJobStatus, free_port
-from service.spec import JobSpec
+from service.contract.spec import JobSpec
 from tests.conftest import MigratedTemplates, migrated_sqlite
 from tests.integration.conftest import Service
 from tests.support.jobs import classification_job

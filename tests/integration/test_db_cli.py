@@ -10,10 +10,10 @@ from sqlalchemy import inspect, text
 from typer.testing import CliRunner, Result
 
 from api.cli import app
-from service.db import build_engine, head_revision
-from service.errors import SchemaOutOfDate
+from service.contract.errors import SchemaOutOfDate
 from service.runtime import Runtime
 from service.settings import Settings
+from service.store.db import build_engine, head_revision
 from tests.support.fakes import FakeBackend
 
 

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import func, select, update
 
 from service.jobs import JobService
-from service.models import IdempotencyKey, Job, utcnow
+from service.store.models import IdempotencyKey, Job, utcnow
 from tests.integration.conftest import Service
 from tests.support.jobs import classification_job
 

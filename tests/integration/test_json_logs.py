@@ -34,9 +34,9 @@ def test_apiary_serve_writes_one_json_object_per_line(tmp_path: Path) -> None:
     records = [json.loads(line) for line in lines]  # each line parses on its own
     assert all({"time", "level", "logger", "message"} <= set(record) for record in records)
     by_logger = {record["logger"] for record in records}
-    assert {"uvicorn.error", "service.db"} <= by_logger
+    assert {"uvicorn.error", "service.store.db"} <= by_logger
     assert {"action": "db_upgraded", "revision": "head"}.items() <= next(
-        record for record in records if record["logger"] == "service.db"
+        record for record in records if record["logger"] == "service.store.db"
     ).items()
     assert any(record["level"] == "ERROR" for record in records)
     assert "not-logged-anywhere" not in result.stdout + result.stderr

@@ -7,9 +7,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Engine, inspect, text
 
-from service.db import alembic_config, build_engine, upgrade
-from service.models import Base
-from service.states import JobState
+from service.contract.states import JobState
+from service.store.db import alembic_config, build_engine, upgrade
+from service.store.models import Base
 
 
 def test_upgrade_of_an_empty_database_matches_the_models(empty_database_url: str) -> None:

@@ -18,10 +18,10 @@ from sqlalchemy.engine import make_url
 from api.app import create_app
 from api.server import BackgroundServer
 from service.cluster import RayJobStatus, free_port
-from service.db import Database
-from service.errors import DatabaseUnavailable
+from service.contract.errors import DatabaseUnavailable
 from service.runtime import Runtime
 from service.settings import Settings
+from service.store.db import Database
 from tests.support.fakes import FakeBackend
 from tests.support.jobs import classification_job
 from tests.support.proxy import TcpProxy

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from api.cli import app
 from api.client import ApiaryClient
-from service.models import Job, utcnow
+from service.store.models import Job, utcnow
 from tests.integration.conftest import Service
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from service import repository
 from service.cluster import RayJobStatus
-from service.protocol import error_line
+from service.contract.protocol import error_line
+from service.store import repository
 from tests.integration.conftest import Service
 from tests.integration.test_scheduler import run_to_running
 
@@ -344,9 +344,10 @@ def test_a_rank_that_stops_reporting_is_blamed_for_the_hang(service: Service, sp
     service.tick()
     assert service.job(job_id)["state"] == "running"  # within the hang timeout (60 s)
     # 70 s later rank 0 still reports (waiting in the step's collective); rank 1 went silent at once.
-    later = time.time() + 70
+    # Counted from when the service saw rank 1 (not from now: a loaded machine takes seconds to get here).
     with service.runtime.db.session() as session:  # type: ignore[union-attr]
         job = repository.get_job(session, job_id, for_update=True)
+        later = job.ranks["1"]["seen"] + 70
         job.ranks = {**job.ranks, "0": {**job.ranks["0"], "seen": later}}
     service.tick(later)
     hung = next(r for r in reasons(service, job_id) if "no rank completed a step" in r)

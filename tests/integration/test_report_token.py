@@ -1,4 +1,5 @@
-"""Job-scoped report tokens (service.handoff): the telemetry route takes a job's reports only from its
+"""Job-scoped report tokens (service.contract.handoff): the telemetry route takes a job's reports only from
+its
 current attempt, with that attempt's token, and checkpoints only under the job's own storage prefix.
 A forged report is refused and changes nothing."""
 
@@ -12,9 +13,9 @@ import pytest
 from sqlalchemy import select
 
 from service.cluster import RayJobStatus
-from service.handoff import token_hash
-from service.models import Job
-from service.protocol import LAUNCH_ENV_VAR
+from service.contract.handoff import token_hash
+from service.contract.protocol import LAUNCH_ENV_VAR
+from service.store.models import Job
 from tests.integration.conftest import Service
 
 

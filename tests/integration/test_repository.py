@@ -6,13 +6,13 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import func, select
 
-from service import repository
-from service.db import Database
-from service.errors import InvalidTransition, JobNotFound
-from service.models import Job, JobEvent, Metric
-from service.protocol import MetricPoint
-from service.spec import JobSpec
-from service.states import JobState
+from service.contract.errors import InvalidTransition, JobNotFound
+from service.contract.protocol import MetricPoint
+from service.contract.spec import JobSpec
+from service.contract.states import JobState
+from service.store import repository
+from service.store.db import Database
+from service.store.models import Job, JobEvent, Metric
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import pyarrow.fs as pafs
 import pytest
 
 from service.cluster import RayJobStatus
-from service.retention import TOMBSTONE
-from service.scheduler import run_name
-from service.storage import checkpoint_uri, resolve_uri
+from service.contract.storage import checkpoint_uri, resolve_uri
+from service.scheduling.retention import TOMBSTONE
+from service.scheduling.scheduler import run_name
 from tests.conftest import S3
 from tests.integration.conftest import Service
 from tests.integration.test_recovery import post
@@ -114,7 +114,7 @@ def test_a_long_run_keeps_its_last_and_best_checkpoints_and_deletes_the_rest_fro
     on_disk = {step for step in steps if contents(folder_of(service, job_id, step))}
     full = {s for s in steps if "state.pt" in contents(folder_of(service, job_id, s))}
     assert full == expected
-    assert on_disk == set(steps)  # deleted ones keep their tombstone only (service.retention)
+    assert on_disk == set(steps)  # deleted ones keep their tombstone only (service.scheduling.retention)
     for step in set(steps) - expected:
         assert contents(folder_of(service, job_id, step)) == {TOMBSTONE}
     rows = listed(service, job_id)

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from service import repository
 from service.cluster import RayJobStatus
-from service.protocol import code_modules
-from service.scheduler import Scheduler
+from service.contract.protocol import code_modules
+from service.scheduling.scheduler import Scheduler
+from service.store import repository
 from tests.integration.conftest import Service
 
 # Two equal shares of one 8-CPU node; nothing protected by a minimum runtime.

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from service.capacity import ClusterSnapshot
 from service.cluster import RayBackend, auth_env
-from service.policy import ClusterSnapshot
 from tests.integration.conftest import Service
 from tests.support.ray_cluster import RayCluster, ray_cluster
 from tests.support.wait import wait_until

@@ -14,12 +14,12 @@ from typer.testing import CliRunner
 from api.cli import app
 from api.demo import token_table, write_shards
 from service.auth import User
-from service.errors import DatasetError
-from service.protocol import LAUNCH_ENV_VAR
-from service.scheduler import Scheduler
+from service.contract.errors import DatasetError
+from service.contract.protocol import LAUNCH_ENV_VAR
+from service.contract.spec import JobSpec
+from service.contract.storage import list_shards, read_manifest, resolve_uri, validate_manifest
+from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
-from service.spec import JobSpec
-from service.storage import list_shards, read_manifest, resolve_uri, validate_manifest
 from tests.conftest import S3
 from tests.support.fakes import FakeBackend
 from trainers.checkpoint import (

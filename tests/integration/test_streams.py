@@ -1,5 +1,5 @@
 """The SSE streams (GET /jobs/{id}/stream, GET /queues/stream) and the metrics' downsampling, over real
-HTTP on SQLite and PostgreSQL (contract: the README's "Live streams")."""
+HTTP on SQLite and PostgreSQL (contract: docs/jobs.md, "Live streams")."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from api.routes import streams
-from service.protocol import MAX_POINTS_PER_POST
+from service.contract.protocol import MAX_POINTS_PER_POST
 from tests.integration.conftest import Service
 from tests.support.jobs import classification_job
 from tests.support.sse import SseReader

@@ -18,8 +18,8 @@ import pyarrow as pa
 import pytest
 
 from api.demo import token_table, write_shards
-from service.errors import DatasetError
-from service.protocol import LaunchRequest, error_line
+from service.contract.errors import DatasetError
+from service.contract.protocol import LaunchRequest, error_line
 from service.sharding import shard_dataset
 from tests.support.jobs import launch_environment, make_request, make_spec
 from tests.support.order import rank_row_order

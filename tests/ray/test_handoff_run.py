@@ -21,7 +21,7 @@ import pytest
 from api.app import create_app
 from api.server import BackgroundServer
 from service.cluster import RayJobStatus, free_port
-from service.protocol import LAUNCH_ENV_VAR
+from service.contract.protocol import LAUNCH_ENV_VAR
 from service.runtime import Runtime
 from service.settings import Settings
 from tests.support.datasets import write_classes

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from api.demo import write_shards
-from service.errors import DatasetError
-from service.protocol import error_line
+from service.contract.errors import DatasetError
+from service.contract.protocol import error_line
 from tests.support import custom_trainer
 from tests.support.datasets import write_classes, write_tokens
 from tests.support.jobs import launch_environment, make_request, make_spec
@@ -162,7 +162,7 @@ def test_bad_dataset_fails_before_training_with_a_clear_reason(ray_cluster: str,
 def test_a_custom_trainer_gets_the_dataset_and_the_deterministic_stream(
     ray_cluster: str, tmp_path: Path
 ) -> None:
-    """README's custom trainer contract: `get_dataset_shard("train")` covers the epoch, and
+    """The custom trainer contract (docs/jobs.md): `get_dataset_shard("train")` covers the epoch, and
     `trainers.data.iter_batches_for_rank` gives each rank the same disjoint rows on every run.
 
     "Every run": one run on the workers, and the same stream read again here, in another process.

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.timeout(300)]
 
 PROBE = """
 import sys
-from service.errors import ClusterUnavailable
+from service.contract.errors import ClusterUnavailable
 from service.runtime import Runtime
 from service.settings import Settings
 

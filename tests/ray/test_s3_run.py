@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from api.demo import token_table, write_shards
-from service.protocol import LaunchRequest
+from service.contract.protocol import LaunchRequest
 from tests.conftest import S3
 from tests.support.jobs import make_request, make_spec
 from tests.support.telemetry import TelemetryServer

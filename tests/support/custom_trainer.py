@@ -1,6 +1,6 @@
 """A custom trainer, as a user would write one (`trainer: tests.support.custom_trainer:train`).
 
-It reads the job's dataset both ways the README offers: Ray Train's `get_dataset_shard("train")`
+It reads the job's dataset both ways docs/jobs.md offers: Ray Train's `get_dataset_shard("train")`
 (the whole epoch, split dynamically) and the built-ins' deterministic stream,
 `trainers.data.iter_batches_for_rank`. Each rank writes what it saw to `config.out`.
 
@@ -18,7 +18,7 @@ import pyarrow as pa
 import ray.train
 import torch
 
-from service.protocol import LaunchRequest
+from service.contract.protocol import LaunchRequest
 from trainers.data import DatasetInfo, iter_batches_for_rank
 
 

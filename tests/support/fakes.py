@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from service.capacity import ClusterSnapshot, NodeCapacity
 from service.cluster import ClusterBackend, RayJobInfo, RayJobStatus
-from service.errors import ClusterUnavailable
-from service.handoff import read_launch, read_token
-from service.policy import ClusterSnapshot, NodeCapacity
-from service.protocol import LAUNCH_ENV_VAR, LAUNCH_MODULE, LaunchPointer, LaunchRequest
+from service.contract.errors import ClusterUnavailable
+from service.contract.handoff import read_launch, read_token
+from service.contract.protocol import LAUNCH_ENV_VAR, LAUNCH_MODULE, LaunchPointer, LaunchRequest
 
 
 @dataclass

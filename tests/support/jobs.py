@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from service.handoff import new_token, write_handoff
-from service.protocol import LaunchRequest, launch_env
-from service.spec import JobSpec
+from service.contract.handoff import new_token, write_handoff
+from service.contract.protocol import LaunchRequest, launch_env
+from service.contract.spec import JobSpec
 
 
 def make_spec(

@@ -16,7 +16,7 @@ from service.auth import (
     require_admin,
     require_owner_or_admin,
 )
-from service.errors import Forbidden, InvalidSpec
+from service.contract.errors import Forbidden, InvalidSpec
 
 
 def test_a_token_is_256_random_bits_and_only_its_sha256_is_kept() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.spec import CheckpointSpec
+from service.contract.spec import CheckpointSpec
 from trainers.checkpoint import auto_cadence
 
 

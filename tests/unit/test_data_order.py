@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from api.demo import token_table, write_shards
-from service.errors import DatasetError
+from service.contract.errors import DatasetError
 from service.sharding import shard_dataset
 from tests.support.jobs import make_spec
 from tests.support.order import rank_row_order

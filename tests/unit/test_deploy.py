@@ -22,8 +22,8 @@ from pydantic import AliasChoices
 from sqlalchemy.engine import make_url
 
 from api.cli import app
+from service.contract.spec import JobSpec, parse_spec_text
 from service.settings import Settings
-from service.spec import JobSpec, parse_spec_text
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -258,9 +258,9 @@ def test_settings_read_docker_secret_files_under_the_environment(
     assert settings.ray_auth_token.get_secret_value() == "from-the-environment"
 
 
-def test_the_readmes_first_cluster_job_is_a_valid_spec_and_its_commands_parse() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Run on a cluster") :]
+def test_the_deploy_docs_first_cluster_job_is_a_valid_spec_and_its_commands_parse() -> None:
+    deploy = (ROOT / "docs" / "deploy.md").read_text()
+    section = deploy[deploy.index("## Run on a cluster") :]
     spec_text = section.split("cat > job.yaml <<'YAML'\n", 1)[1].split("YAML\n", 1)[0]
     spec = JobSpec.model_validate(parse_spec_text(spec_text))
     assert spec.dataset.uri == "s3://datasets/demo-tokens"  # the bucket compose creates

@@ -1,5 +1,5 @@
 """`benchmarks/gpu_check.sh` on a machine without a GPU: it stops at once, exit status 1, one line
-that says why (the check itself needs a GPU node; README's "GPU notes")."""
+that says why (the check itself needs a GPU node; docs/performance.md, "GPU notes")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Who may import whom (DESIGN.md): read from the source, so a new arrow the wrong way fails here."""
+"""Who may import whom (docs/architecture.md), read from the source: an arrow the wrong way fails here."""
 
 from __future__ import annotations
 
@@ -10,16 +10,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# The service modules that the trainers (and the SDK) may import: the shared kernel of both sides.
-SHARED = {
-    "service.spec",
-    "service.protocol",
-    "service.handoff",  # the attempt's launch request and report token in storage
-    "service.storage",
-    "service.webdataset",
-    "service.errors",
-    "service.planner",  # pure cluster math: checkpoint.auto chooses its cadence with it on the cluster
+# What the trainers (on the cluster) and the SDK may import of the service: the contract package and
+# the planner's pure formulas (checkpoint.auto chooses its cadence with them on the cluster).
+SHARED_PACKAGES = ("service.contract",)
+SHARED_MODULES = ("service.planning.formulas",)
+# The service's lower rooms, each with the only service packages it may import (besides itself). The
+# application layer (service's top-level modules) and service.scheduling stand above them.
+LOWER_ROOMS = {
+    "service.contract": (),
+    "service.capacity": ("service.contract",),
+    "service.store": ("service.contract",),
+    "service.planning.formulas": ("service.contract",),
 }
+
+
+def in_room(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+def shared(module: str) -> bool:
+    return module in SHARED_MODULES or any(in_room(module, package) for package in SHARED_PACKAGES)
 
 
 def is_module(name: str) -> bool:
@@ -59,15 +69,37 @@ def test_the_service_never_imports_the_api_or_the_trainers() -> None:
         assert not packages(names) & {"api", "trainers"}, module
 
 
-def test_the_trainers_import_only_the_shared_service_modules() -> None:
+def test_the_trainers_import_only_the_contract_and_the_formulas() -> None:
     for module, names in imports_of("trainers").items():
-        assert {name for name in names if name.startswith("service.")} <= SHARED, module
+        assert all(shared(name) for name in names if name.startswith("service.")), module
 
 
-def test_the_shared_modules_import_nothing_but_each_other_of_the_service() -> None:
-    service = imports_of("service")
-    for module in SHARED:
-        assert {name for name in service[module] if name.startswith("service.")} <= SHARED, module
+@pytest.mark.parametrize("room", sorted(LOWER_ROOMS))
+def test_a_lower_room_imports_only_the_rooms_below_it(room: str) -> None:
+    allowed = (room, *LOWER_ROOMS[room])
+    for module, names in imports_of("service").items():
+        if in_room(module, room):
+            inner = {name for name in names if name.startswith("service.")}
+            assert all(any(in_room(name, ok) for ok in allowed) for name in inner), (module, inner)
+
+
+def test_the_service_has_no_import_circle() -> None:
+    graph = {
+        module: {name for name in names if name.startswith("service.") and name != module}
+        for module, names in imports_of("service").items()
+    }
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, " -> ".join((*path, module))
+        if module in done:
+            return
+        for name in graph.get(module, ()):
+            visit(name, (*path, module))
+        done.add(module)
+
+    for module in graph:
+        visit(module, ())
 
 
 def test_prometheus_is_imported_by_the_observability_module_only() -> None:
@@ -151,7 +183,14 @@ def test_only_the_door_uses_rays_private_api() -> None:
     assert ray_private_uses(ROOT / "trainers/ray_private.py")
 
 
-@pytest.mark.parametrize("module", ["api.client", *sorted(SHARED)])
+CONTRACT = sorted(
+    ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    for path in (ROOT / "service" / "contract").glob("*.py")
+    if path.name != "__init__.py"
+)
+
+
+@pytest.mark.parametrize("module", ["api.client", *CONTRACT, *SHARED_MODULES])
 def test_the_sdk_and_the_shared_modules_load_without_the_database_or_ray(module: str) -> None:
     probe = (
         f"import sys, {module}; "

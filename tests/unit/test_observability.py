@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.contract.states import JobState
 from service.observability import MAX_JOB_SERIES, Gauges, Metrics, RunningJob
-from service.states import JobState
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

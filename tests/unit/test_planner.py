@@ -7,7 +7,8 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from service.planner import (
+from service.contract.spec import GPTConfig, JobSpec
+from service.planning.formulas import (
     QUANTITY_NAMES,
     PlanFacts,
     auto_checkpoint_interval_s,
@@ -19,7 +20,6 @@ from service.planner import (
     time_to_finish_s,
     young_interval_s,
 )
-from service.spec import GPTConfig, JobSpec
 
 # A 7B model on 8 workers, fp32 with Adam, 400 Gbit/s links, 2 GB/s to storage, a checkpoint every
 # 1,000 steps of 1 s, an MTBF of 24 h, 2 min restarts, $3/GPU-h, spot 60% off with 0.5 preemptions/h.

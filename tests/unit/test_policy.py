@@ -1,4 +1,4 @@
-"""The two-queue policy (`service.policy.decide`), rule by rule, on small hand-made clusters.
+"""The two-queue policy (`service.scheduling.policy.decide`), rule by rule, on small hand-made clusters.
 
 Unless a test says otherwise the queues are research 0.3 / full-scale 0.7 of the cluster, both may
 borrow, and neither has a minimum runtime.
@@ -8,18 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from service.capacity import ClusterSnapshot, Gang, NodeCapacity, fits_empty_cluster
+from service.contract.queues import QueuesConfig
+from service.contract.spec import JobSpec
 from service.jobs import gang_for
-from service.policy import (
-    ClusterSnapshot,
-    Gang,
-    NodeCapacity,
-    decide,
-    decide_fifo,
-    decide_greedy,
-    fits_empty_cluster,
-)
-from service.queues import QueuesConfig
-from service.spec import JobSpec
+from service.scheduling.policy import decide, decide_fifo, decide_greedy
 
 NOW = 1_000_000.0
 

@@ -1,4 +1,5 @@
-"""The service/trainer protocol (`service.protocol`, `service.handoff`): launch requests, report tokens
+"""The service/trainer protocol (`service.contract.protocol`, `service.contract.handoff`): launch requests,
+report tokens
 and failure reasons."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from service.errors import AttemptSuperseded
-from service.handoff import (
+from service.contract.errors import AttemptSuperseded
+from service.contract.handoff import (
     LOOP_CONFIG_KEY,
     is_own_checkpoint,
     job_prefix,
@@ -21,7 +22,7 @@ from service.handoff import (
     read_token,
     write_handoff,
 )
-from service.protocol import (
+from service.contract.protocol import (
     ERROR_PREFIX,
     LAUNCH_ENV_VAR,
     MAX_REASON_CHARS,

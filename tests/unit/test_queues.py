@@ -1,4 +1,4 @@
-"""Queue configuration (`service.queues`): defaults, a file over them, and clear errors."""
+"""Queue configuration (`service.contract.queues`): defaults, a file over them, and clear errors."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from api.cli import app
-from service.errors import InvalidSpec
-from service.queues import DEFAULT_QUEUES, load
-from service.spec import Queue
+from service.contract.errors import InvalidSpec
+from service.contract.queues import DEFAULT_QUEUES, load
+from service.contract.spec import Queue
 
 
 def test_defaults_split_the_cluster_three_to_seven() -> None:

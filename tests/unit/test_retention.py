@@ -1,4 +1,4 @@
-"""The pure retention decision (service.retention.to_delete): keep_last, keep_best min/max, and the
+"""The pure retention decision (service.scheduling.retention.to_delete): keep_last, keep_best min/max, and the
 checkpoint a job resumes from, which is always kept with everything newer than it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 from pydantic import ValidationError
 
-from service.retention import StoredCheckpoint, to_delete
-from service.spec import CheckpointSpec, KeepBest
+from service.contract.spec import CheckpointSpec, KeepBest
+from service.scheduling.retention import StoredCheckpoint, to_delete
 
 
 def checkpoints(steps: Sequence[int], losses: dict[int, float] | None = None) -> list[StoredCheckpoint]:

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from api.cli import app
 from api.demo import classification_table, token_table, write_shards
-from service.errors import DatasetError
+from service.contract.errors import DatasetError
+from service.contract.storage import MANIFEST_NAME, list_shards, read_manifest, validate_manifest
+from service.contract.webdataset import decode_webdataset, encode_webdataset
 from service.sharding import ShardingError, shard_dataset
-from service.storage import MANIFEST_NAME, list_shards, read_manifest, validate_manifest
-from service.webdataset import decode_webdataset, encode_webdataset
 
 
 @pytest.fixture

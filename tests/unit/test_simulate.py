@@ -1,4 +1,4 @@
-"""The trace simulator (`service.simulate`) and `apiary simulate`: exact waits on hand-made traces,
+"""The trace simulator (`service.scheduling.simulate`) and `apiary simulate`: exact waits on hand-made traces,
 preemption accounting, the generator's shape, and the command's input and output."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from api.cli import app
-from service.queues import QueuesConfig
-from service.simulate import TraceError, TraceJob, generate, read_trace, simulate, trace_csv
+from service.contract.queues import QueuesConfig
+from service.scheduling.simulate import TraceError, TraceJob, generate, read_trace, simulate, trace_csv
 
 NODE = {"CPU": 32.0, "GPU": 8.0}
 

@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from service.spec import JobSpec, parse_spec_text
+from service.contract.spec import JobSpec, parse_spec_text
 
 
 def valid(**overrides: Any) -> dict[str, Any]:

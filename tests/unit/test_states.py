@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.states import ALLOWED, TERMINAL_STATES, JobState, can_transition
+from service.contract.states import ALLOWED, TERMINAL_STATES, JobState, can_transition
 
 
 def test_every_state_has_a_row() -> None:

@@ -6,8 +6,8 @@ import pyarrow.fs as pafs
 import pytest
 
 from api.demo import token_table, write_shards
-from service.errors import DatasetError
-from service.storage import list_shards, node_local, resolve_uri
+from service.contract.errors import DatasetError
+from service.contract.storage import list_shards, node_local, resolve_uri
 
 
 def test_resolve_uri_local_and_s3() -> None:

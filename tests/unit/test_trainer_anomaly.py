@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from service.spec import AnomalySpec
+from service.contract.spec import AnomalySpec
 from trainers.anomaly import Anomaly, AnomalyDetector, decide, encode
 from trainers.telemetry import Telemetry
 

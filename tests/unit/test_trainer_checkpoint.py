@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from service.spec import JobSpec
-from service.storage import checkpoint_uri
+from service.contract.spec import JobSpec
+from service.contract.storage import checkpoint_uri
 from tests.support.jobs import make_spec
 from trainers.checkpoint import (
     STATE_FILE,

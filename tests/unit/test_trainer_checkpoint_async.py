@@ -13,7 +13,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from service.spec import JobSpec
+from service.contract.spec import JobSpec
 from tests.support.jobs import make_spec
 from trainers.checkpoint import (
     MARKER_FILE,

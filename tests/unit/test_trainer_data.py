@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from service.errors import DatasetError
-from service.spec import MLPConfig
+from service.contract.errors import DatasetError
+from service.contract.spec import MLPConfig
 from tests.support.datasets import write_classes, write_tokens
 from tests.support.jobs import make_spec
 from trainers.data import DatasetInfo, inspect_dataset

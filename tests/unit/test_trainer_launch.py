@@ -11,8 +11,8 @@ import pytest
 import ray.train
 from ray import cloudpickle
 
-from service.errors import DatasetError
-from service.protocol import LAUNCH_ENV_VAR, MAX_REASON_CHARS, WORKER_FAILED, error_line
+from service.contract.errors import DatasetError
+from service.contract.protocol import LAUNCH_ENV_VAR, MAX_REASON_CHARS, WORKER_FAILED, error_line
 from tests.support.jobs import make_request, make_spec
 from tests.support.telemetry import TelemetryServer
 from trainers.launch import (

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from service.spec import FsdpSpec, FsdpUnits, JobSpec, Strategy
+from service.contract.spec import FsdpSpec, FsdpUnits, JobSpec, Strategy
 from trainers.checkpoint import (
     SHARDED_DIR,
     STATE_FILE,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from service.spec import BUILTIN_CONFIGS, GPTConfig
+from service.contract.spec import BUILTIN_CONFIGS, GPTConfig
 from tests.support.jobs import make_spec
 from trainers.models import GPT, MLP
 from trainers.registry import REGISTRY, BuiltinTrainer, GPTTrainer, MLPTrainer, builtin_trainer, lr_factor

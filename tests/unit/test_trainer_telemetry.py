@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from service.protocol import SUPERSEDED_ERROR
+from service.contract.protocol import SUPERSEDED_ERROR
 from tests.support.telemetry import TelemetryServer
 from tests.support.wait import wait_until
 from trainers import telemetry

@@ -152,7 +152,7 @@ class CheckpointSpec(Strict):
         ge=1,
         le=1000,
         description="The service deletes older checkpoints beyond the newest keep_last (and keep_best); "
-        "the one the job resumes from is always kept (service.retention).",
+        "the one the job resumes from is always kept (service.scheduling.retention).",
     )
     keep_best: KeepBest | None = Field(
         default=None, description="Also keep the best checkpoints by a step metric, e.g. {metric: loss}."
@@ -170,10 +170,10 @@ class CheckpointSpec(Strict):
     )
     auto: Bool = Field(
         default=False,
-        description="Choose the time between checkpoints: Daly's optimum (service.planner) for the save "
-        "time the trainers measure (the first save comes after the first step) and the mean time between "
-        "failures Apiary has observed on the cluster; shown as a `checkpoint_cadence` event of the job. "
-        "Replaces every_s; every_steps, if set, still applies (whichever comes first).",
+        description="Choose the time between checkpoints: Daly's optimum (service.planning.formulas) for "
+        "the save time the trainers measure (the first save comes after the first step) and the mean time "
+        "between failures Apiary has observed on the cluster; shown as a `checkpoint_cadence` event of the "
+        "job. Replaces every_s; every_steps, if set, still applies (whichever comes first).",
     )
 
     @model_validator(mode="after")

@@ -28,8 +28,8 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from service.errors import InvalidSpec, one_line
-from service.spec import Queue, Strict
+from service.contract.errors import InvalidSpec, one_line
+from service.contract.spec import Queue, Strict
 
 
 class QueueConfig(Strict):

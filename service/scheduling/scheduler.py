@@ -10,7 +10,8 @@ expiry, renewed every tick; another replica takes over once it expires):
 2. enforce: a running job past its `max_runtime_s` is told to checkpoint and stop; a job told so
    `preempt_grace_s` ago that has not stopped is stopped (its event says how much work that lost);
 3. schedule: read every unfinished job in one query and the cluster (its alive nodes, and what Ray
-   reports in use on them: other Ray users' use is not Apiary's to admit, service.policy); requeue a
+   reports in use on them: other Ray users' use is not Apiary's to admit, service.scheduling.policy); requeue
+   a
    started job whose gang no longer fits them (a node left: `requeue_unplaceable`); hold every
    queued job while checkpoint storage is a local path on more than one node; call the pure
    `policy.decide`, then preempt (running -> preempting: the trainers hear it in the reply to their
@@ -21,7 +22,8 @@ expiry, renewed every tick; another replica takes over once it expires):
    requeued the job, so one attempt runs at a time), and store every
    waiting job's position, reason and ETA (changed rows only, one statement);
 4. retain: delete the checkpoints that the jobs' `checkpoint.keep_last`/`keep_best` let go, never the
-   one a job resumes from (service.retention; only jobs with new checkpoints or deletions to retry);
+   one a job resumes from (service.scheduling.retention; only jobs with new checkpoints or deletions to
+   retry);
    and, every `PRUNE_KEYS_EVERY_S`, delete the expired idempotency keys of submissions (service.jobs).
 
 Each pass's duration, each admission's wait, each recovery and each preemption is counted in the
@@ -49,30 +51,18 @@ from typing import Any
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, object_session
 
-from service import repository
-from service.cluster import ClusterBackend, RayJobStatus, stop_job, submission_prefix
-from service.db import Database
-from service.errors import ClusterUnavailable, one_line
-from service.handoff import Handoff, new_token, run_name, token_hash, write_handoff
-from service.jobs import gang_for
-from service.models import Job
-from service.observability import Metrics
-from service.planner import time_to_finish_s
-from service.planning import observed_mtbf
-from service.policy import (
+from service.capacity import (
     ClusterSnapshot,
-    Decisions,
     Gang,
-    Preemption,
-    Wait,
     capacity_text,
-    decayed_usage,
-    decide,
-    dominant_share,
     fits_empty_cluster,
     format_resources,
+    gang_for,
 )
-from service.protocol import (
+from service.cluster import ClusterBackend, RayJobStatus, stop_job, submission_prefix
+from service.contract.errors import ClusterUnavailable, one_line
+from service.contract.handoff import Handoff, new_token, run_name, token_hash, write_handoff
+from service.contract.protocol import (
     HEARTBEAT_S,
     JobFailure,
     LaunchRequest,
@@ -81,11 +71,18 @@ from service.protocol import (
     failure_from_logs,
     launch_env,
 )
-from service.retention import Retention
+from service.contract.spec import JobSpec
+from service.contract.states import ACTIVE_STATES, JobState, StopReason
+from service.contract.storage import checkpoint_uri, node_local
+from service.observability import Metrics
+from service.planning.formulas import time_to_finish_s
+from service.planning.measured import observed_mtbf
+from service.scheduling.policy import Decisions, Preemption, Wait, decayed_usage, decide, dominant_share
+from service.scheduling.retention import Retention
 from service.settings import Settings
-from service.spec import JobSpec
-from service.states import ACTIVE_STATES, JobState, StopReason
-from service.storage import checkpoint_uri, node_local
+from service.store import repository
+from service.store.db import Database
+from service.store.models import Job
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +351,7 @@ class Scheduler:
 
     def _recover(self, session: Session, job: Job, *, why: str) -> Handoff | None:
         """A job lost to something outside its code: resubmit it from its latest checkpoint, as a new
-        attempt, while its failure budget lasts (service.states: recovering)."""
+        attempt, while its failure budget lasts (service.contract.states: recovering)."""
         spec = JobSpec.model_validate(job.spec)
         if job.failures >= spec.max_failures:
             repository.transition(
@@ -534,7 +531,7 @@ class Scheduler:
             self._submit(job_id, launch)
 
     def request_stop(self, job_id: int, why: StopReason, *, reason: str) -> bool:
-        """running -> preempting (service.states), if this replica still schedules."""
+        """running -> preempting (service.contract.states), if this replica still schedules."""
         with self.db.session() as session:
             if not self._fenced(session):
                 return False
@@ -802,7 +799,8 @@ class Scheduler:
                 job,
                 JobState.ADMITTED,
                 actor="scheduler",
-                # An elastic job is admitted on its min gang (service.policy glossary: elastic gang).
+                # An elastic job is admitted on its min gang (service.scheduling.policy glossary: elastic
+                # gang).
                 reason=f"gang of {spec.min_workers} worker(s) fits; submitting attempt {attempt}",
                 attempt=attempt,
                 ray_submission_id=_submission_id(job.id, attempt),

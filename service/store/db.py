@@ -19,7 +19,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
-from service.errors import DatabaseUnavailable, SchemaOutOfDate, one_line
+from service.contract.errors import DatabaseUnavailable, SchemaOutOfDate, one_line
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """The two-queue scheduling policy: a pure function from (cluster, queued, active, now) to decisions.
 
-No I/O here. The scheduler loop (service/scheduler.py) reads the database and the cluster, calls
-`decide`, and carries the decisions out; the simulator (service/simulate.py) calls the same function
+No I/O here. The scheduler loop (service/scheduling/scheduler.py) reads the database and the cluster, calls
+`decide`, and carries the decisions out; the simulator (service/scheduling/simulate.py) calls the same
+function
 in simulated time. `fifo` and `greedy` are the baselines the simulator compares it with.
 
 Glossary:
@@ -20,7 +21,7 @@ Glossary:
   use exceeds what the active gangs hold there as placed above. A gang admitted but not placed by
   Ray yet only makes the foreign use look smaller for a moment, never larger; a gang that has just
   ended may look foreign until Ray's next report (seconds). A snapshot without `used` has none.
-- share: a queue's guaranteed fraction of each resource of the cluster (`service.queues`). A queue
+- share: a queue's guaranteed fraction of each resource of the cluster (`service.contract.queues`). A queue
   whose active gangs together exceed its share on some resource is borrowing.
 - head: the first job of a queue, in queue order, that cannot start now.
 - reservation: the earliest time a head's gang fits, from the active jobs' expected ends (a
@@ -77,97 +78,31 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import NamedTuple
 
-from service.queues import DEFAULT_QUEUES, QueuesConfig
+from service.capacity import (
+    EPSILON,
+    ClusterSnapshot,
+    Gang,
+    Resources,
+    add,
+    can_place,
+    fits,
+    format_resources,
+    place,
+    release,
+    slots,
+    subtract,
+    sum_resources,
+    take_foreign,
+)
+from service.contract.queues import DEFAULT_QUEUES, QueuesConfig
 
-EPSILON = 1e-9
 QUEUE_ORDER = ("full-scale", "research")
 # ETAs are estimated for this many waiting jobs of each queue; the rest get None.
 ETA_HORIZON = 200
-
-Resources = Mapping[str, float]
-
-
-class SpreadBundle(dict[str, float]):
-    """A worker of a gang whose workers each need a node of their own (spec placement strict_spread):
-    the copies of one such bundle in a gang are placed on distinct nodes."""
-
-
-# Every gang shape seen by this process, numbered (Gang.shape): cheap keys for the policy's memos.
-_SHAPES: dict[tuple[object, ...], int] = {}
-
-
-@dataclass(frozen=True, kw_only=True)
-class NodeCapacity:
-    node_id: str
-    resources: Resources
-    # What Ray reports in use on the node, by anyone (Apiary's own jobs included); None: not known,
-    # and then capacity is the total less Apiary's own gangs (glossary: foreign use).
-    used: Resources | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClusterSnapshot:
-    nodes: tuple[NodeCapacity, ...]
-    # What Ray reports it cannot place yet (tasks, actors, placement groups: anyone's, Apiary's own
-    # too, which is why the policy does not count it), as text for the log and for people.
-    pending: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, kw_only=True)
-class Gang:
-    """A job as the policy sees it. The fields after `max_runtime_s` describe an active job."""
-
-    job_id: int
-    queue: str
-    priority: int
-    num_workers: int  # the workers admission needs: a fixed group's size, an elastic group's min
-    per_worker: Resources
-    extra: Resources = field(default_factory=dict)
-    max_workers: int | None = None  # an elastic group's max; None = fixed at num_workers
-    owner: str = ""
-    submitted_at: float = 0.0
-    max_runtime_s: float | None = None
-    started_at: float | None = None  # None: not started (queued, or admitted and not running yet)
-    last_checkpoint_at: float | None = None
-    expected_end_at: float | None = None  # when it will release its resources; None = unknown
-    stopping: bool = False  # told to checkpoint and stop
-
-    def bundles(self) -> list[Resources]:
-        """What admission must place: `num_workers` workers and the extra."""
-        bundles = [self.per_worker] * self.num_workers
-        return [*bundles, self.extra] if any(self.extra.values()) else bundles
-
-    def growth(self) -> list[Resources]:
-        """The workers an elastic gang may add beyond `num_workers` (none for a fixed gang)."""
-        return [self.per_worker] * max(0, (self.max_workers or 0) - self.num_workers)
-
-    @cached_property
-    def totals(self) -> dict[str, float]:
-        """What the gang holds at once (read-only: shared by every caller)."""
-        return _sum(self.bundles())
-
-    def total(self) -> dict[str, float]:
-        return dict(self.totals)
-
-    @cached_property
-    def shape(self) -> int:
-        """Gangs of one shape fit or not alike: a small number per distinct (workers, sizes)."""
-        key = (
-            tuple(sorted(self.per_worker.items())),
-            self.num_workers,
-            tuple(sorted(self.extra.items())),
-            isinstance(self.per_worker, SpreadBundle),
-        )
-        return _SHAPES.setdefault(key, len(_SHAPES))
-
-    def lost_work_s(self, now: float) -> float:
-        since = self.last_checkpoint_at if self.last_checkpoint_at is not None else self.started_at
-        return max(0.0, now - since) if since is not None else 0.0
 
 
 class Wait(NamedTuple):
@@ -332,7 +267,7 @@ class _Reserved:
 
     def take(self, gang: Gang) -> None:
         assert self.leftover is not None  # _blocking checked that it fits
-        _place(self.leftover, gang.bundles(), allow_partial=False)
+        place(self.leftover, gang.bundles(), allow_partial=False)
 
 
 def _ends_before(gang: Gang, at: float | None, *, now: float) -> bool:
@@ -354,7 +289,7 @@ def _blocking(gang: Gang, reservations: Sequence[_Reserved], *, now: float) -> _
     for reserved in reservations:
         if _ends_before(gang, reserved.at, now=now):
             continue
-        if reserved.leftover is None or not _can_place(reserved.leftover, gang.bundles()):
+        if reserved.leftover is None or not can_place(reserved.leftover, gang.bundles()):
             return reserved
     return None
 
@@ -394,7 +329,7 @@ class _State:
         rules: Rules = RULES,
     ) -> _State:
         free = [dict(node.resources) for node in cluster.nodes]
-        totals = _sum(free)
+        totals = sum_resources(free)
         shares = {
             queue: {key: total * queues.of(queue).share_of(key) for key, total in totals.items()}
             for queue in QUEUE_ORDER
@@ -412,7 +347,7 @@ class _State:
         hints: dict[tuple[tuple[str, float], ...], int] = {}
         for gang in active:
             # Active gangs were admitted when they fitted; place them as Ray would have (best effort).
-            placed = _place(state.free, gang.bundles(), allow_partial=True, hints=hints)
+            placed = place(state.free, gang.bundles(), allow_partial=True, hints=hints)
             end_at = gang.expected_end_at
             if gang.stopping:
                 end_at = (
@@ -421,12 +356,12 @@ class _State:
                     else now + queues.preempt_grace_s
                 )
             state.active.append(_Active(gang=gang, placed=placed, end_at=end_at))
-            _add(state.used.setdefault(gang.queue, {}), gang.totals)
+            add(state.used.setdefault(gang.queue, {}), gang.totals)
         for entry in state.active:
             # What elastic gangs may grow into is not free for queued gangs (glossary: elastic gang).
-            entry.placed += _place(state.free, entry.gang.growth(), allow_partial=True, hints=hints)
-        state.foreign_total = _take_foreign(cluster.nodes, state.free, active)
-        state.free_total = _sum(state.free)
+            entry.placed += place(state.free, entry.gang.growth(), allow_partial=True, hints=hints)
+        state.foreign_total = take_foreign(cluster.nodes, state.free, active)
+        state.free_total = sum_resources(state.free)
         return state
 
     # -- capacity ----------------------------------------------------------------------------------
@@ -434,18 +369,18 @@ class _State:
     def fits(self, gang: Gang) -> bool:
         if gang.shape in self.failed_shapes:
             return False
-        if not _covers(self.free_total, gang.totals) or not _can_place(self.free, gang.bundles()):
+        if not fits(self.free_total, gang.totals) or not can_place(self.free, gang.bundles()):
             # Free capacity only shrinks within one call: this shape will not fit again.
             self.failed_shapes.add(gang.shape)
             return False
         return True
 
     def admit(self, gang: Gang, *, now: float) -> None:
-        placed = _place(self.free, gang.bundles(), allow_partial=False)
+        placed = place(self.free, gang.bundles(), allow_partial=False)
         end_at = now + gang.max_runtime_s if gang.max_runtime_s is not None else None
         self.active.append(_Active(gang=replace(gang, started_at=now), placed=placed, end_at=end_at))
-        _add(self.used.setdefault(gang.queue, {}), gang.totals)
-        _subtract(self.free_total, gang.totals)
+        add(self.used.setdefault(gang.queue, {}), gang.totals)
+        subtract(self.free_total, gang.totals)
         self.within = {key: value for key, value in self.within.items() if key[0] != gang.queue}
 
     # -- shares ------------------------------------------------------------------------------------
@@ -479,8 +414,8 @@ class _State:
     def at_share_text(self, gang: Gang) -> str:
         share, used = self.share(gang.queue), self.used.get(gang.queue, {})
         return (
-            f"queue {gang.queue} uses {_fmt(used)} of its share {_fmt(share)}; this job needs "
-            f"{_fmt(gang.total())} more and the queue may not borrow"
+            f"queue {gang.queue} uses {format_resources(used)} of its share {format_resources(share)}; "
+            f"this job needs {format_resources(gang.total())} more and the queue may not borrow"
         )
 
     # -- 3. reclaim --------------------------------------------------------------------------------
@@ -526,7 +461,7 @@ class _State:
                 break  # the other queue is back within its share: what it holds now is its own
             chosen.append(entry)
             room.release(entry.placed)
-            _subtract(used, entry.gang.totals)
+            subtract(used, entry.gang.totals)
             if room.fits():
                 reason = f"preempted for job {head.job_id}: queue {head.queue} takes back its share"
                 victims = [
@@ -578,7 +513,7 @@ class _State:
                     break
         if at is None:
             return _Reserved(gang=head, at=None, leftover=None)
-        _place(room.free, head.bundles(), allow_partial=False)
+        place(room.free, head.bundles(), allow_partial=False)
         return _Reserved(gang=head, at=at, leftover=room.free)
 
 
@@ -594,23 +529,23 @@ class _Room:
         self.total = dict(free_total)
         self.gang = gang
         self.bundles = gang.bundles()
-        self.slots = [_slots(node, gang.per_worker) for node in self.free]
+        self.slots = [slots(node, gang.per_worker) for node in self.free]
         self.total_slots = sum(self.slots)
 
     def release(self, placed: Sequence[tuple[int, Resources]]) -> None:
-        _release(self.free, placed)
+        release(self.free, placed)
         for _, bundle in placed:
-            _add(self.total, bundle)
+            add(self.total, bundle)
         for index in {index for index, _ in placed}:
             self.total_slots -= self.slots[index]
-            self.slots[index] = _slots(self.free[index], self.gang.per_worker)
+            self.slots[index] = slots(self.free[index], self.gang.per_worker)
             self.total_slots += self.slots[index]
 
     def fits(self) -> bool:
         return (
             self.total_slots >= self.gang.num_workers
-            and _covers(self.total, self.gang.totals)
-            and _can_place(self.free, self.bundles)
+            and fits(self.total, self.gang.totals)
+            and can_place(self.free, self.bundles)
         )
 
 
@@ -631,9 +566,9 @@ def _explain(
     """Position, reason and ETA of every job left waiting (rule 6)."""
     reserved_at = {reserved.gang.job_id: reserved.at for reserved in reservations}
     etas = _estimate_etas(lines, started=started, state=state, now=now)
-    free_text = _fmt(state.free_total)
+    free_text = format_resources(state.free_total)
     if state.foreign_total:
-        free_text += f" (other Ray users hold {_fmt(state.foreign_total)})"
+        free_text += f" (other Ray users hold {format_resources(state.foreign_total)})"
     waiting: dict[int, Wait] = {}
     for queue, line in lines.items():
         waiting_line = [gang for gang in line if gang.job_id not in started]
@@ -663,7 +598,7 @@ def _estimate_etas(
     lines: Mapping[str, Sequence[Gang]], *, started: set[int], state: _State, now: float
 ) -> dict[int, float | None]:
     """Start times in queue order against capacity summed over nodes, releasing as jobs end."""
-    free = _sum(state.free)
+    free = sum_resources(state.free)
     ends: list[tuple[float, int, dict[str, float]]] = [
         (entry.end_at, index, entry.gang.total())
         for index, entry in enumerate(state.active)
@@ -676,15 +611,15 @@ def _estimate_etas(
     waiting = [[gang for gang in line if gang.job_id not in started][:ETA_HORIZON] for line in lines.values()]
     for gang in itertools.chain.from_iterable(waiting):
         need = gang.total()
-        while not _covers(free, need) and ends:
+        while not fits(free, need) and ends:
             at, _, releases = heapq.heappop(ends)
             clock = max(clock, at)
-            _add(free, releases)
-        if not _covers(free, need):
+            add(free, releases)
+        if not fits(free, need):
             etas[gang.job_id] = None
             continue
         etas[gang.job_id] = clock
-        _subtract(free, need)
+        subtract(free, need)
         if gang.max_runtime_s is not None:
             heapq.heappush(ends, (clock + gang.max_runtime_s, next(counter), need))
     return etas
@@ -714,17 +649,17 @@ def _one_line(
 ) -> Decisions:
     free = [dict(node.resources) for node in cluster.nodes]
     for gang in active:
-        _place(free, gang.bundles(), allow_partial=True)
-    _take_foreign(cluster.nodes, free, active)
-    free_total = _sum(free)
+        place(free, gang.bundles(), allow_partial=True)
+    take_foreign(cluster.nodes, free, active)
+    free_total = sum_resources(free)
     admitted: list[int] = []
     waiting: dict[int, Wait] = {}
     failed: set[int] = set()
     blocked = False
     for gang in sorted(queued, key=lambda gang: (gang.submitted_at, gang.job_id)):
-        fits = not blocked and gang.shape not in failed and _covers(free_total, gang.totals)
-        if fits and _place(free, gang.bundles(), allow_partial=False):
-            _subtract(free_total, gang.totals)
+        fits_now = not blocked and gang.shape not in failed and fits(free_total, gang.totals)
+        if fits_now and place(free, gang.bundles(), allow_partial=False):
+            subtract(free_total, gang.totals)
             admitted.append(gang.job_id)
             continue
         failed.add(gang.shape)
@@ -737,7 +672,7 @@ POLICIES: dict[str, Policy] = {"two-queue": decide, "fifo": decide_fifo, "greedy
 
 
 # ---------------------------------------------------------------------------------------------------
-# Capacity helpers
+# Fair share and messages
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -752,144 +687,9 @@ def dominant_share(gang: Gang, totals: Resources) -> float:
     return max((amount / totals[key] for key, amount in gang.totals.items() if totals.get(key)), default=0.0)
 
 
-def fits_empty_cluster(cluster: ClusterSnapshot, gang: Gang) -> bool:
-    """Could this gang ever run here, with nothing else running?"""
-    return _can_place([dict(node.resources) for node in cluster.nodes], gang.bundles())
-
-
-def capacity_text(cluster: ClusterSnapshot) -> str:
-    return f"{len(cluster.nodes)} node(s) with {_fmt(_sum([dict(n.resources) for n in cluster.nodes]))}"
-
-
-def _take_foreign(
-    nodes: Sequence[NodeCapacity], free: list[dict[str, float]], active: Sequence[Gang]
-) -> dict[str, float]:
-    """Take what other Ray users hold off `free` (each node's capacity after Apiary's active gangs were
-    placed on it); returns the cluster's sum of it (glossary: foreign use). Without every node's
-    `used`, nothing: a gang's own placement on a node that Ray has not reported could look foreign."""
-    if not nodes or any(node.used is None for node in nodes):
-        return {}
-    used = [
-        {key: min(max(0.0, node.used.get(key, 0.0)), total) for key, total in node.resources.items()}
-        for node in nodes
-        if node.used is not None
-    ]
-    claimed = _sum(itertools.chain.from_iterable([*gang.bundles(), *gang.growth()] for gang in active))
-    foreign = {key: max(0.0, amount - claimed.get(key, 0.0)) for key, amount in _sum(used).items()}
-    # Ray's use beyond what the gangs hold on each node as placed: where the foreign use can be.
-    excess = [
-        {
-            key: max(0.0, amount - (node.resources[key] - node_free.get(key, 0.0)))
-            for key, amount in node_used.items()
-        }
-        for node, node_free, node_used in zip(nodes, free, used, strict=True)
-    ]
-    excess_total = _sum(excess)
-    taken: dict[str, float] = {}
-    for node_free, node_excess in zip(free, excess, strict=True):
-        for key, amount in node_excess.items():
-            if amount <= EPSILON or foreign[key] <= EPSILON:
-                continue
-            # Never more than Ray's use beyond Apiary's there, so a node's free never goes below zero.
-            share = amount * min(1.0, foreign[key] / excess_total[key])
-            node_free[key] = node_free.get(key, 0.0) - share
-            taken[key] = taken.get(key, 0.0) + share
-    return {key: amount for key, amount in taken.items() if amount > EPSILON}
-
-
-def _place(
-    free: list[dict[str, float]],
-    bundles: Iterable[Resources],
-    *,
-    allow_partial: bool,
-    hints: dict[tuple[tuple[str, float], ...], int] | None = None,
-) -> list[tuple[int, Resources]]:
-    """First-fit every bundle onto `free` (which shrinks); returns where each went.
-
-    Without `allow_partial`, a gang that does not fit whole leaves `free` as it was and returns [].
-    `hints` remembers, per bundle shape, the first node that took one: no node before it can take
-    another while `free` only shrinks (pass the same dict only across such placements).
-    """
-    taken: list[tuple[int, Resources]] = []
-    first: dict[int, int] = {}  # id of a bundle object -> where the last of its copies went
-    for bundle in bundles:
-        shape = tuple(bundle.items()) if hints is not None else ()
-        after = first.get(id(bundle))
-        # The next copy of a bundle goes on the node of the last one or later; a spread one, later.
-        start = 0 if after is None else after + isinstance(bundle, SpreadBundle)
-        start = max(start, hints.get(shape, 0) if hints is not None else 0)
-        node_index = next((i for i in range(start, len(free)) if _fits(free[i], bundle)), None)
-        if node_index is None:
-            if allow_partial:
-                continue
-            _release(free, taken)
-            return []
-        for key, amount in bundle.items():
-            free[node_index][key] = free[node_index].get(key, 0.0) - amount
-        taken.append((node_index, bundle))
-        first[id(bundle)] = node_index
-        if hints is not None:
-            hints[shape] = node_index
-    return taken
-
-
-def _can_place(free: list[dict[str, float]], bundles: Sequence[Resources]) -> bool:
-    placed = _place(free, bundles, allow_partial=False)
-    _release(free, placed)
-    return bool(placed) or not bundles
-
-
-def _release(free: list[dict[str, float]], placed: Iterable[tuple[int, Resources]]) -> None:
-    for index, bundle in placed:
-        for key, amount in bundle.items():
-            free[index][key] = free[index].get(key, 0.0) + amount
-
-
-def _fits(node: Resources, bundle: Resources) -> bool:
-    for key, amount in bundle.items():  # a loop, not all(): the policy's hottest line  # noqa: SIM110
-        if amount > 0 and node.get(key, 0.0) + EPSILON < amount:
-            return False
-    return True
-
-
-def _slots(node: Resources, bundle: Resources) -> int:
-    """How many copies of `bundle` fit on `node`."""
-    counts = [int((node.get(key, 0.0) + EPSILON) // amount) for key, amount in bundle.items() if amount > 0]
-    return min(counts) if counts else 0
-
-
-def _covers(have: Resources, need: Resources) -> bool:
-    return _fits(have, need)
-
-
-def _sum(nodes: Iterable[Resources]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for node in nodes:
-        _add(total, node)
-    return total
-
-
-def _add(into: dict[str, float], amounts: Resources) -> None:
-    for key, amount in amounts.items():
-        into[key] = into.get(key, 0.0) + amount
-
-
-def _subtract(into: dict[str, float], amounts: Resources) -> None:
-    for key, amount in amounts.items():
-        into[key] = into.get(key, 0.0) - amount
-
-
-def _fmt(resources: Resources) -> str:
-    parts = [f"{amount:g} {key}" for key, amount in sorted(resources.items()) if abs(amount) > EPSILON]
-    return ", ".join(parts) or "nothing"
-
-
-format_resources = _fmt  # "2 CPU, 1 GPU": the same words in every message
-
-
 def _gang_text(gang: Gang) -> str:
-    text = f"{gang.num_workers} worker(s) x {_fmt(gang.per_worker)}"
-    return f"{text} + {_fmt(gang.extra)}" if any(gang.extra.values()) else text
+    text = f"{gang.num_workers} worker(s) x {format_resources(gang.per_worker)}"
+    return f"{text} + {format_resources(gang.extra)}" if any(gang.extra.values()) else text
 
 
 def _ids(ids: Sequence[int]) -> str:

@@ -42,12 +42,12 @@ from datetime import UTC, datetime, timedelta
 import pyarrow.fs as pafs
 from sqlalchemy.orm import Session
 
-from service import repository
-from service.db import Database
-from service.errors import one_line
-from service.models import Checkpoint, CheckpointState
-from service.spec import JobSpec, KeepBest
-from service.storage import resolve_uri
+from service.contract.errors import one_line
+from service.contract.spec import JobSpec, KeepBest
+from service.contract.storage import resolve_uri
+from service.store import repository
+from service.store.db import Database
+from service.store.models import Checkpoint, CheckpointState
 
 logger = logging.getLogger(__name__)
 

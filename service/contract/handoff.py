@@ -7,7 +7,7 @@ job N, the service writes, under the job's own storage prefix:
     {storage_uri}/job-N/_apiary/attempt-K/launch.json    the LaunchRequest (spec included)
     {storage_uri}/job-N/_apiary/attempt-K/report-token   the attempt's report token
 
-and the job's environment carries only a `LaunchPointer` (`service.protocol.LAUNCH_ENV_VAR`): job,
+and the job's environment carries only a `LaunchPointer` (`service.contract.protocol.LAUNCH_ENV_VAR`): job,
 attempt, that folder and the S3 endpoint to read it with. The driver (`trainers.launch`) reads the
 request from there, and hands the pointer on to its Train workers in their loop config
 (`LOOP_CONFIG_KEY`); each reads the token from storage (`loop_token`) with the credentials it already
@@ -17,7 +17,7 @@ The report token is a random secret per attempt; the database keeps only its sha
 the control plane takes telemetry for a job only from its current attempt, with that token
 (`service.jobs.JobService.ingest`), and a checkpoint only under the job's prefix (`is_own_checkpoint`).
 
-Like `service.spec`, this module needs no SQLAlchemy, FastAPI or Ray: both sides import it.
+Like `service.contract.spec`, this module needs no SQLAlchemy, FastAPI or Ray: both sides import it.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from urllib.parse import unquote
 
 import pyarrow.fs as pafs
 
-from service.protocol import LAUNCH_ENV_VAR, LaunchPointer, LaunchRequest
-from service.storage import checkpoint_uri, resolve_uri
+from service.contract.protocol import LAUNCH_ENV_VAR, LaunchPointer, LaunchRequest
+from service.contract.storage import checkpoint_uri, resolve_uri
 
 HANDOFF_DIR = "_apiary"
 LAUNCH_FILE = "launch.json"

@@ -2,7 +2,7 @@
 
 Dataset and checkpoint URIs are `file:///abs/path` (or a bare absolute path) and `s3://bucket/prefix`;
 S3 credentials come from the usual AWS variables, and `APIARY_S3_ENDPOINT_URL` names an S3-compatible
-endpoint (MinIO, moto). Like `service.spec`, this module needs only pyarrow: a URI that the API
+endpoint (MinIO, moto). Like `service.contract.spec`, this module needs only pyarrow: a URI that the API
 accepts resolves the same way in the trainer.
 
 A dataset folder may hold a manifest, `_manifest.json` (written by `apiary data shard`, see
@@ -33,8 +33,8 @@ from urllib.parse import unquote, urlparse
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from service.errors import DatasetError, one_line
-from service.spec import DataFormat
+from service.contract.errors import DatasetError, one_line
+from service.contract.spec import DataFormat
 
 SHARD_SUFFIXES = {DataFormat.PARQUET: ".parquet", DataFormat.WEBDATASET: ".tar"}
 MANIFEST_NAME = "_manifest.json"

@@ -38,7 +38,7 @@ Invariants:
   which writes the new state and one `job_events` row in the same transaction.
 - Terminal states (succeeded, failed, cancelled) are final.
 
-This module needs nothing beyond the standard library: the ORM (`service.models`) and the SDK
+This module needs nothing beyond the standard library: the ORM (`service.store.models`) and the SDK
 (`api.client`) both read the states from here.
 """
 
@@ -121,7 +121,8 @@ def can_transition(current: JobState, target: JobState) -> bool:
 
 
 class CheckpointState(StrEnum):
-    """Where a checkpoint is in its retention (service.retention): deletion is two-phase, so a folder
+    """Where a checkpoint is in its retention (service.scheduling.retention): deletion is two-phase, so a
+    folder
     is only ever removed from storage while its row says `deleting`."""
 
     KEPT = "kept"

@@ -13,7 +13,7 @@ For example a token row is `000000017.id.cls` + `000000017.tokens.npy`, a classi
 separator). `decode_webdataset` is the inverse.
 
 `apiary data shard` (`service.sharding`) writes shards with `encode_webdataset`; the trainers read
-them with `decode_webdataset` on the cluster. Like `service.storage`, this needs only pyarrow and
+them with `decode_webdataset` on the cluster. Like `service.contract.storage`, this needs only pyarrow and
 numpy.
 """
 
@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from service.errors import DatasetError
-from service.storage import is_list_type
+from service.contract.errors import DatasetError
+from service.contract.storage import is_list_type
 
 _KEY_DIGITS = 9
 

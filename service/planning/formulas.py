@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.spec import MAX_INT, Float, GPTConfig, Int, JobSpec
+from service.contract.spec import MAX_INT, Float, GPTConfig, Int, JobSpec
 
 HOUR_S = 3600.0
 # A job's mean time between failures until one is observed (Settings.default_mtbf_s; the trainers'

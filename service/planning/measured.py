@@ -1,4 +1,4 @@
-"""What Apiary measured, as facts for the planner (service.planner): a job's spec and step time, the
+"""What Apiary measured, as facts for the planner (service.planning.formulas): a job's spec and step time, the
 cluster's node count, and the mean time between failures observed over recent jobs.
 
 The planner stays pure; this module reads the database and the cluster for it (`POST /plan`, and the
@@ -14,12 +14,12 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from service import repository
 from service.cluster import ClusterBackend
-from service.errors import ClusterUnavailable
-from service.models import utcnow
-from service.planner import HOUR_S, Plan, facts_from_spec, merge_facts, plan
-from service.spec import JobSpec
+from service.contract.errors import ClusterUnavailable
+from service.contract.spec import JobSpec
+from service.planning.formulas import HOUR_S, Plan, facts_from_spec, merge_facts, plan
+from service.store import repository
+from service.store.models import utcnow
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,8 +13,11 @@ from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
-from service.errors import InvalidTransition, JobNotFound, TokenNotFound
-from service.models import (
+from service.contract.errors import InvalidTransition, JobNotFound, TokenNotFound
+from service.contract.protocol import MetricPoint, RankStatus
+from service.contract.spec import JobSpec
+from service.contract.states import ACTIVE_STATES, JobState, StopReason, can_transition
+from service.store.models import (
     ApiToken,
     Checkpoint,
     CheckpointState,
@@ -26,9 +29,6 @@ from service.models import (
     SchedulerLease,
     utcnow,
 )
-from service.protocol import MetricPoint, RankStatus
-from service.spec import JobSpec
-from service.states import ACTIVE_STATES, JobState, StopReason, can_transition
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +309,8 @@ def transition(
 
 
 def request_stop(session: Session, job: Job, *, why: StopReason, actor: str, reason: str) -> Job:
-    """running -> preempting: the job's trainers checkpoint at their next step and exit (service.states)."""
+    """running -> preempting: the job's trainers checkpoint at their next step and exit
+    (service.contract.states)."""
     return transition(
         session,
         job,
@@ -569,7 +570,8 @@ def set_checkpoint(session: Session, job: Job, *, step: int, uri: str, attempt: 
     return True
 
 
-# -- checkpoints and their retention (service.retention) ---------------------------------------------
+# -- checkpoints and their retention (service.scheduling.retention)
+# ---------------------------------------------
 
 
 def add_checkpoint(session: Session, job: Job, *, step: int, uri: str, attempt: int) -> None:
@@ -735,7 +737,7 @@ def stream_cursor(session: Session, job_id: int) -> tuple[int, int]:
 
 def failure_history(session: Session, *, now: datetime, limit: int = 1000) -> tuple[int, float]:
     """Failures of the `limit` most recent jobs that ran, and the seconds they ran (first start to end,
-    or to `now`): the cluster's observed failure rate, for the planner's MTBF (service.planning)."""
+    or to `now`): the cluster's observed failure rate, for the planner's MTBF (service.planning.measured)."""
     rows = session.execute(
         select(Job.failures, Job.started_at, Job.finished_at)
         .where(Job.started_at.is_not(None))

@@ -23,7 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from service.states import CheckpointState, JobState
+from service.contract.states import CheckpointState, JobState
 
 # Named constraints, so that migrations on SQLite and PostgreSQL agree on names.
 NAMING = {
@@ -82,7 +82,8 @@ class Job(Base):
     admitted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # What the scheduler last decided for a waiting job (service.policy, rule 6), so that every replica
+    # What the scheduler last decided for a waiting job (service.scheduling.policy, rule 6), so that every
+    # replica
     # and a restarted service show it.
     queue_position: Mapped[int | None] = mapped_column(BigInteger)
     waiting_reason: Mapped[str | None] = mapped_column(Text)
@@ -91,11 +92,12 @@ class Job(Base):
     latest_step: Mapped[int | None] = mapped_column(BigInteger)
     seconds_per_step: Mapped[float | None] = mapped_column(Float)
     last_checkpoint_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # Why a job was told to checkpoint and stop (StopReason), and when: see service.states.
+    # Why a job was told to checkpoint and stop (StopReason), and when: see service.contract.states.
     stop_requested: Mapped[str | None] = mapped_column(String(16))
     stop_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     preemptions: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
-    # Recovery (service.states): worker-group restarts inside Ray Train (`restarts`), and every failure
+    # Recovery (service.contract.states): worker-group restarts inside Ray Train (`restarts`), and every
+    # failure
     # counted against the spec's `max_failures` budget (`failures`: restarts, lost drivers, lost Ray
     # jobs, failed submissions). `segment` is the current attempt's worker-group start (the
     # TelemetryBatch segment); a larger one is a restart.
@@ -104,12 +106,14 @@ class Job(Base):
     segment: Mapped[int | None] = mapped_column(BigInteger)
     # Set by the `worker_failed` event of the current worker group (Ray Train tears it down and starts
     # another from the latest checkpoint); cleared when the new group first reports. Meanwhile the
-    # hang timeout does not run (service.scheduler), and the dying group's late statuses are ignored.
+    # hang timeout does not run (service.scheduling.scheduler), and the dying group's late statuses are
+    # ignored.
     restarting_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # Each rank of the current worker group: its last RankStatus (service.protocol), when the service
+    # Each rank of the current worker group: its last RankStatus (service.contract.protocol), when the service
     # heard from it (`seen`), its own work per step (`own_s`) and whether it is a straggler.
     ranks: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    # The sha256 of the current attempt's report token (service.handoff): its telemetry must carry the
+    # The sha256 of the current attempt's report token (service.contract.handoff): its telemetry must carry
+    # the
     # token. The token itself is only in the attempt's handoff folder in storage.
     report_token_hash: Mapped[str | None] = mapped_column(String(64))
 

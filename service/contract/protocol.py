@@ -5,7 +5,7 @@ Service → job. The scheduler submits each attempt of a job as a Ray job whose 
 `APIARY_JOB_PYTHON`) and whose environment is `launch_env(pointer)`: a small `LaunchPointer` as JSON
 in `APIARY_LAUNCH`, plus the settings every process of the job needs. The pointer names the
 attempt's handoff folder in storage, which holds the `LaunchRequest` and the attempt's report token
-(`service.handoff`): neither the spec (exec caps one variable at 128 KiB) nor the token is in what
+(`service.contract.handoff`): neither the spec (exec caps one variable at 128 KiB) nor the token is in what
 Ray stores of the job. Apiary's own code travels with the job (`code_modules()`, Ray's runtime_env
 `py_modules`), so a node needs only the same torch and ray.
 
@@ -23,7 +23,7 @@ Job → service, two channels:
   `failure_from_logs` finds it). A job that died without either line (its driver was killed, its
   node lost) failed outside its own code too: the service recovers it.
 
-Like `service.spec`, this module needs no SQLAlchemy, FastAPI or Ray: both sides import it.
+Like `service.contract.spec`, this module needs no SQLAlchemy, FastAPI or Ray: both sides import it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator
 
-from service.spec import MAX_INT, MAX_URI_CHARS, NO_NUL, Bool, Float, Int, JobSpec, Strict
+from service.contract.spec import MAX_INT, MAX_URI_CHARS, NO_NUL, Bool, Float, Int, JobSpec, Strict
 
 LAUNCH_ENV_VAR = "APIARY_LAUNCH"
 LAUNCH_MODULE = "trainers.launch"
@@ -75,8 +75,8 @@ class LaunchRequest(Strict):
     mtbf_s: Float | None = Field(
         default=None,
         gt=0,
-        description="checkpoint.auto: the job's mean time between failures (service.planning); None = "
-        "the trainers' own default.",
+        description="checkpoint.auto: the job's mean time between failures (service.planning.measured); "
+        "None = the trainers' own default.",
     )
     mtbf_basis: str | None = Field(default=None, description="Why that MTBF, for the cadence's event.")
     data_trace_dir: str | None = Field(
@@ -109,7 +109,7 @@ def code_modules() -> list[str]:
     found = importlib.util.find_spec(LAUNCH_MODULE.split(".", 1)[0])
     if found is None or not found.submodule_search_locations:
         raise RuntimeError("the trainers package is not installed beside the service")
-    return [str(Path(__file__).parent), str(next(iter(found.submodule_search_locations)))]
+    return [str(Path(__file__).parents[1]), str(next(iter(found.submodule_search_locations)))]
 
 
 def find_module(name: str) -> ModuleSpec | None:

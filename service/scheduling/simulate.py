@@ -1,4 +1,5 @@
-"""Replay a job trace in simulated time through a scheduling policy (`service.policy`), and make traces.
+"""Replay a job trace in simulated time through a scheduling policy (`service.scheduling.policy`), and make
+traces.
 
     apiary simulate TRACE.csv --nodes 8 --node "CPU=32,GPU=8" --policy two-queue|fifo|greedy [--json]
     apiary simulate --generate 10000 --seed 1 > trace.csv
@@ -38,18 +39,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from service.policy import (
-    POLICIES,
-    RULES,
-    ClusterSnapshot,
-    Gang,
-    NodeCapacity,
-    Rules,
-    decayed_usage,
-    dominant_share,
-    fits_empty_cluster,
-)
-from service.queues import DEFAULT_QUEUES, QueuesConfig
+from service.capacity import ClusterSnapshot, Gang, NodeCapacity, fits_empty_cluster
+from service.contract.queues import DEFAULT_QUEUES, QueuesConfig
+from service.scheduling.policy import POLICIES, RULES, Rules, decayed_usage, dominant_share
 
 COLUMNS = (
     "job_id",
