@@ -10,7 +10,8 @@ torch: the controller picks the rendezvous address and tells each worker to set 
 group, and every function that touches torch runs on the workers, where Ray's own
 `ray.train.torch.config` helpers do the work (the same environment variables, NCCL error handling
 and timeouts as `TorchTrainer`). Only the "env://" rendezvous of Ray Train V2 worker groups is
-supported, which is all Apiary uses.
+supported, which is all Apiary uses. The Ray names it needs that Ray does not promise to keep come
+from `trainers.ray_private`.
 """
 
 from __future__ import annotations
@@ -23,15 +24,20 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError
-from ray.train._internal.utils import get_address_and_port
 from ray.train.backend import Backend, BackendConfig
 from ray.train.constants import (
     DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
     TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
 )
-from ray.train.v2._internal.util import TrainingFramework
 
 from trainers import startup
+from trainers.ray_private import (
+    TORCH_SET_ENV_VARS,
+    TORCH_SETUP_PROCESS_GROUP,
+    TORCH_SHUTDOWN,
+    TrainingFramework,
+    get_address_and_port,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +75,13 @@ class ProcessGroupBackend(Backend):
         startup.mark("workers_started")
         address, port = worker_group.execute_single(0, get_address_and_port)
         worker_group.execute(_set_master, address=address, port=port)
-        worker_group.execute(_torch_config_call, "_set_torch_distributed_env_vars")
+        worker_group.execute(_torch_config_call, TORCH_SET_ENV_VARS)
         ray.get(
             [
                 worker_group.execute_single_async(
                     rank,
                     _torch_config_call,
-                    "_setup_torch_process_group",
+                    TORCH_SETUP_PROCESS_GROUP,
                     backend=backend_config.backend,
                     world_rank=rank,
                     world_size=len(worker_group),
@@ -90,7 +96,7 @@ class ProcessGroupBackend(Backend):
 
     def on_shutdown(self, worker_group: Any, backend_config: BackendConfig) -> None:
         futures = worker_group.execute_async(
-            _torch_config_call, "_shutdown_torch", destroy_process_group=len(worker_group) > 1
+            _torch_config_call, TORCH_SHUTDOWN, destroy_process_group=len(worker_group) > 1
         )
         default = DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
         timeout_s = int(os.environ.get(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, default))

@@ -19,9 +19,9 @@ which is what `TorchTrainer` is with `TorchConfig`, minus the torch import: neit
 the Train controller imports torch (each import delays the workers' start). So this module
 imports no torch either: the built-in train loop is reached through `builtin_train_loop`, and a
 custom trainer's module (which imports torch itself) is checked from its source here and imported
-only on the workers (`custom_trainer`). `ApiaryTrainer` also leaves out two of Ray Train's helper
-actors, a process each per job. Every process of the job prints its start-up marks
-(`trainers.startup`) for `benchmarks/overhead.py`.
+only on the workers (`custom_trainer`). `ApiaryTrainer` (`trainers.ray_private`) also leaves out
+two of Ray Train's helper actors, a process each per job. Every process of the job prints its
+start-up marks (`trainers.startup`) for `benchmarks/overhead.py`.
 
 Exit status 0 means the job reached `max_steps`. Anything else exits 1 with, as the last line on
 stderr, `apiary-error: <one-line reason a user can act on>` when the job failed for good (its code,
@@ -30,11 +30,14 @@ its data, its failure budget spent) or `apiary-retry: <reason>` when something o
 job's logs and recovers a retryable failure from the latest checkpoint.
 
 Failures inside the run: Ray Train restarts the worker group from the latest checkpoint when a worker
-dies, at most `request.failures_left` times (what is left of the spec's `max_failures`).
-`ApiaryFailurePolicy` changes one thing in Ray Train's default policy: a group whose ranks raised
-exceptions of their own (none died, and none is a collective broken by another rank's death) failed
-by the job's own code, which fails again the same way: it is not retried. Each restart it allows is
-posted to the control plane as a `worker_failed` event.
+dies, at most `request.failures_left` times (what is left of the spec's `max_failures`). The failure
+policy (`trainers.ray_private.ApiaryFailurePolicy`, with `is_own_failure` and `post_restart` from
+here) changes one thing in Ray Train's default policy: a group whose ranks raised exceptions of their
+own (none died, and none is a collective broken by another rank's death) failed by the job's own
+code, which fails again the same way: it is not retried. Each restart it allows is posted to the
+control plane as a `worker_failed` event.
+
+Every name this package takes from Ray's private API is in `trainers.ray_private`.
 """
 
 from __future__ import annotations
@@ -58,13 +61,7 @@ import ray.data
 import ray.train
 from pydantic import ValidationError
 from ray.data import ExecutionOptions, ExecutionResources
-from ray.train.v2._internal.callbacks import DatasetsCallback
-from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-from ray.train.v2._internal.exceptions import RayTrainError, UserExceptionWithTraceback
-from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
-from ray.train.v2.api import data_parallel_trainer
 from ray.train.v2.api.config import FailureConfig
-from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
 from service.contract.errors import one_line
@@ -85,6 +82,12 @@ from trainers.backend import ProcessGroupConfig
 from trainers.data import DatasetInfo, inspect_dataset
 from trainers.data_order import Slice
 from trainers.data_stream import build_epoch_dataset
+from trainers.ray_private import (
+    ApiaryTrainer,
+    install_failure_policy,
+    is_ray_train_error,
+    unwrap_user_exception,
+)
 from trainers.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -110,88 +113,57 @@ _COLLATERAL = re.compile(
 )
 
 
-class ApiaryFailurePolicy(DefaultFailurePolicy):
-    """Ray Train's default failure policy, except that the job's own errors are not retried.
+def is_own_failure(training_failed_error: TrainingFailedError) -> bool:
+    """Whether a worker group failed by the job's own code: every failed rank raised an exception of
+    its own (not a dead worker, not a Ray system error, not a collective broken by a dead peer). It
+    fails again the same way, so Ray Train does not retry it; everything else it retries within
+    `max_failures`."""
+    failures = _worker_failures(training_failed_error)
+    if failures and all(_is_own_error(error) for error in failures.values()):
+        logger.error("the job's own code failed: not retried")
+        return True
+    return False
 
-    Built in the driver and run by the Train controller. A worker group failure is the job's own when
-    every failed rank raised an exception of its own: not a dead worker (a health check that failed),
-    not a Ray system error, not a collective broken by a dead peer. Everything else is retried within
-    `max_failures`, and each retry is posted to the job's telemetry as a `worker_failed` event.
-    """
 
-    def __init__(
-        self, failure_config: FailureConfig, *, request: LaunchRequest, token: str | None = None
-    ) -> None:
-        super().__init__(failure_config)
-        self.request = request
-        self.token = token
+def post_restart(
+    training_failed_error: TrainingFailedError, *, request: LaunchRequest, token: str | None
+) -> None:
+    """Tell the job's telemetry that Ray Train restarts the worker group (a `worker_failed` event)."""
+    ranks = ", ".join(
+        f"rank {rank}: {_error_text(error)[:300]}"
+        for rank, error in sorted(_worker_failures(training_failed_error).items())
+    )
+    telemetry = Telemetry(
+        url=request.telemetry_url,
+        attempt=request.attempt,
+        rank=0,
+        token=token,
+        close_retry_s=5.0,
+    )
+    telemetry.event(
+        WORKER_FAILED,
+        step=0,
+        message=f"worker group failed ({ranks or 'the controller'}); Ray Train restarts it from "
+        "the latest checkpoint",
+    )
+    telemetry.close()
 
-    def make_decision(self, training_failed_error: TrainingFailedError) -> FailureDecision:
-        failures = (
-            training_failed_error.worker_failures
-            if isinstance(training_failed_error, WorkerGroupError)
-            else {}
-        )
-        if failures and all(_is_own_error(error) for error in failures.values()):
-            logger.error("the job's own code failed: not retried")
-            return FailureDecision.RAISE
-        decision = super().make_decision(training_failed_error)
-        if decision is FailureDecision.RETRY:
-            self._post_restart(failures)
-        return decision
 
-    def _post_restart(self, failures: dict[int, Exception]) -> None:
-        ranks = ", ".join(
-            f"rank {rank}: {_error_text(error)[:300]}" for rank, error in sorted(failures.items())
-        )
-        telemetry = Telemetry(
-            url=self.request.telemetry_url,
-            attempt=self.request.attempt,
-            rank=0,
-            token=self.token,
-            close_retry_s=5.0,
-        )
-        telemetry.event(
-            WORKER_FAILED,
-            step=0,
-            message=f"worker group failed ({ranks or 'the controller'}); Ray Train restarts it from "
-            "the latest checkpoint",
-        )
-        telemetry.close()
+def _worker_failures(training_failed_error: TrainingFailedError) -> dict[int, Exception]:
+    if isinstance(training_failed_error, WorkerGroupError):
+        return training_failed_error.worker_failures
+    return {}
 
 
 def _is_own_error(error: BaseException) -> bool:
     """Whether a rank's failure is an exception of the job's own code (Ray hands the rank's exception
     over as raised; older releases wrapped it in UserExceptionWithTraceback)."""
-    if isinstance(error, UserExceptionWithTraceback):
-        error = error._base_exc
-    if isinstance(error, RayTrainError | ray.exceptions.RayError) and not isinstance(
+    error = unwrap_user_exception(error)
+    if (is_ray_train_error(error) or isinstance(error, ray.exceptions.RayError)) and not isinstance(
         error, ray.exceptions.RayTaskError
     ):
         return False  # a dead or unresponsive worker (WorkerHealthCheckFailedError), Ray's own trouble
     return not _COLLATERAL.search(f"{type(error).__name__}: {error}")
-
-
-class ApiaryTrainer(DataParallelTrainer):
-    """Ray Train's data-parallel trainer without two helper actors that a run of its own Ray job
-    does not need. Each helper is one more Python process per job (Ray, Ray Train and pandas
-    imported), started beside the worker group on the way to step 1 (benchmarks/overhead.py):
-
-    - the `PlacementGroupCleaner`, a detached actor that removes the worker group's placement group
-      if the controller dies while its driver lives on (Ray Tune's case). Here the driver exits when
-      the controller fails (`fit()` raises), which ends the Ray job, and Ray removes the placement
-      groups of a finished job itself;
-    - for a built-in trainer, which reads its own per-rank streams (`trainers.data_stream`) and passes
-      no datasets, the `DatasetManager` that would hand out shards of none.
-    """
-
-    def _create_default_callbacks(self) -> list[Any]:
-        return [
-            callback
-            for callback in super()._create_default_callbacks()
-            if not isinstance(callback, PlacementGroupCleanerCallback)
-            and not (isinstance(callback, DatasetsCallback) and not self.datasets)
-        ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,12 +217,9 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
     failure_config = FailureConfig(
         max_failures=spec.max_failures if request.failures_left is None else request.failures_left
     )
-    # Ray Train builds its failure policy in `fit()` from this module-level factory (2.60; checked by
-    # tests/unit/test_trainer_launch.py): this driver runs one job, so replacing it here is local.
-    data_parallel_trainer.create_failure_policy = lambda failure_config: ApiaryFailurePolicy(
-        failure_config,  # type: ignore[arg-type]  # Ray's factory is typed with V1's FailureConfig
-        request=request,
-        token=token,
+    # Pickled to the Train controller with the policy: a module-level function and a partial of one.
+    install_failure_policy(
+        is_final=is_own_failure, on_retry=functools.partial(post_restart, request=request, token=token)
     )
     trainer = ApiaryTrainer(
         train_fn,

@@ -3,11 +3,14 @@
 It reads the job's dataset both ways docs/jobs.md offers: Ray Train's `get_dataset_shard("train")`
 (the whole epoch, split dynamically) and the built-ins' deterministic stream,
 `trainers.data.iter_batches_for_rank`. Each rank writes what it saw to `config.out`.
+
+`exit_once` is a trainer whose rank 1 dies once, as a worker killed under it would.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +44,13 @@ def train(loop_config: dict[str, Any]) -> None:
     }
     out = Path(request.spec.config["out"], f"{request.run_name}-rank-{rank}.json")
     out.write_text(json.dumps(seen))
+
+
+def exit_once(loop_config: dict[str, Any]) -> None:
+    """Rank 1's process exits the first time (a marker in `config.out` remembers it); then every rank
+    returns at once."""
+    request = LaunchRequest.model_validate(loop_config["request"])
+    marker = Path(request.spec.config["out"], "rank-1-exited")
+    if ray.train.get_context().get_world_rank() == 1 and not marker.exists():
+        marker.touch()
+        os._exit(1)

@@ -110,6 +110,79 @@ def test_prometheus_is_imported_by_the_observability_module_only() -> None:
                 assert "prometheus_client" not in packages(names), module
 
 
+# The one module that uses Ray's private API, and its test, which checks each name against Ray.
+RAY_DOOR = {"trainers/ray_private.py", "tests/unit/test_ray_private.py"}
+
+
+def ray_private_uses(path: Path) -> list[str]:
+    """Where a module reaches Ray's private API: it imports a Ray module or name with a part that
+    starts with `_` (`ray._private`, `ray.train.v2._internal`), reads such an attribute of a Ray
+    name, defines such a method in a subclass of a Ray class (which overrides Ray's, or may one day),
+    or assigns to a Ray name's attribute (monkeypatching, `setattr` too)."""
+    tree = ast.parse(path.read_text())
+    from_ray: set[str] = set()  # the names this module binds to Ray modules, classes and functions
+    found: list[str] = []
+
+    def private(dotted: str) -> bool:
+        return any(part.startswith("_") and not part.endswith("__") for part in dotted.split("."))
+
+    def dotted(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Name):
+            return node.id
+        if isinstance(node, ast.Attribute):
+            inner = dotted(node.value)
+            return f"{inner}.{node.attr}" if inner is not None else None
+        return None
+
+    def of_ray(node: ast.AST) -> str | None:
+        name = dotted(node)
+        return name if name is not None and name.split(".")[0] in from_ray else None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "ray":
+                    from_ray.add(alias.asname or "ray")
+                    if private(alias.name):
+                        found.append(f"line {node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "ray":
+            for alias in node.names:
+                from_ray.add(alias.asname or alias.name)
+                if private(f"{node.module}.{alias.name}"):
+                    found.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and (name := of_ray(node)) and private(name):
+            found.append(f"line {node.lineno}: {name}")
+        elif isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Delete):
+            targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Attribute) and (name := of_ray(target)):
+                    found.append(f"line {node.lineno}: assigns {name}")
+        elif isinstance(node, ast.Call) and node.args:
+            called = dotted(node.func)
+            if called is not None and called.split(".")[-1] == "setattr" and (name := of_ray(node.args[0])):
+                found.append(f"line {node.lineno}: setattr on {name}")
+        elif isinstance(node, ast.ClassDef) and any(of_ray(base) for base in node.bases):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and private(item.name):
+                    found.append(f"line {item.lineno}: {node.name}, a Ray subclass, defines {item.name}")
+    return found
+
+
+def test_only_the_door_uses_rays_private_api() -> None:
+    """trainers/ray_private.py names the Ray version it was checked against; anywhere else, a private
+    name would break unseen when Ray is upgraded."""
+    uses = {
+        str(path.relative_to(ROOT)): ray_private_uses(path)
+        for package in ("api", "service", "trainers", "benchmarks", "tests", "migrations")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if str(path.relative_to(ROOT)) not in RAY_DOOR
+    }
+    assert {path: found for path, found in uses.items() if found} == {}
+    # The check sees what the door does.
+    assert ray_private_uses(ROOT / "trainers/ray_private.py")
+
+
 CONTRACT = sorted(
     ".".join(path.relative_to(ROOT).with_suffix("").parts)
     for path in (ROOT / "service" / "contract").glob("*.py")

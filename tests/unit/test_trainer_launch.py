@@ -9,17 +9,21 @@ from typing import Any
 
 import pytest
 import ray.train
+from ray import cloudpickle
 
 from service.contract.errors import DatasetError
-from service.contract.protocol import LAUNCH_ENV_VAR, MAX_REASON_CHARS, error_line
-from tests.support.jobs import make_spec
+from service.contract.protocol import LAUNCH_ENV_VAR, MAX_REASON_CHARS, WORKER_FAILED, error_line
+from tests.support.jobs import make_request, make_spec
+from tests.support.telemetry import TelemetryServer
 from trainers.launch import (
     TrainingFailed,
     build_scaling_config,
     custom_trainer,
     failure_reason,
+    is_own_failure,
     load_custom_trainer,
     main,
+    post_restart,
 )
 
 
@@ -124,44 +128,37 @@ def test_load_custom_trainer() -> None:
 
 
 def test_only_the_jobs_own_exceptions_are_final_for_ray_train() -> None:
+    """A dead worker as Ray Train reports it is checked with the door (tests/unit/test_ray_private.py)."""
     from ray.exceptions import ActorDiedError
-    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
-    from ray.train.v2.api import data_parallel_trainer
 
     from trainers.launch import _is_own_error
 
     assert _is_own_error(ValueError("label 2 is outside [0, num_classes=2)"))
     assert _is_own_error(KeyError("x"))
     # A dead worker, and the collective a dead peer broke on a surviving rank: Ray Train restarts them.
-    assert not _is_own_error(WorkerHealthCheckFailedError("worker 1 died", ActorDiedError()))
+    assert not _is_own_error(ActorDiedError())
     assert not _is_own_error(
         RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]")
     )
-    # Where trainers.launch installs its failure policy in Ray Train (2.60): fails loudly if it moves.
-    assert callable(data_parallel_trainer.create_failure_policy)
+    own = {0: ValueError("label 2"), 1: KeyError("x")}
+    assert is_own_failure(ray.train.WorkerGroupError("snippet", own))
+    assert not is_own_failure(ray.train.WorkerGroupError("snippet", {**own, 2: ActorDiedError()}))
+    assert not is_own_failure(ray.train.ControllerError(RuntimeError("controller")))
 
 
-def test_the_trainer_starts_no_helper_actor_that_a_run_of_its_own_ray_job_does_not_need() -> None:
-    """No PlacementGroupCleaner (Ray removes a finished job's placement groups), and no
-    DatasetManager for a built-in trainer, which passes no datasets; a custom trainer's dataset still
-    gets its shards. Each is a Python process fewer on the way to step 1."""
-    import ray.train
-    from ray.train.v2._internal.callbacks import DatasetsCallback
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-
-    from trainers.backend import ProcessGroupConfig
-    from trainers.launch import ApiaryTrainer
-
-    def callbacks(**kwargs: Any) -> set[type]:
-        trainer = ApiaryTrainer(
-            lambda config: None,
-            backend_config=ProcessGroupConfig(),
-            scaling_config=ray.train.ScalingConfig(num_workers=2),
-            **kwargs,
-        )
-        return {type(callback) for callback in trainer._create_default_callbacks()}
-
-    builtin = callbacks()
-    assert PlacementGroupCleanerCallback not in builtin and DatasetsCallback not in builtin
-    custom = callbacks(datasets={"train": lambda: None})
-    assert PlacementGroupCleanerCallback not in custom and DatasetsCallback in custom
+def test_each_restart_is_posted_as_a_worker_failed_event(
+    tmp_path: Path, telemetry_server: TelemetryServer
+) -> None:
+    """The failure policy's hooks, as the Train controller unpickles them."""
+    spec = make_spec(trainer="gpt", dataset="file:///unused", config={"vocab_size": 8})
+    request = make_request(spec, storage=tmp_path, run_name="r", telemetry_url=telemetry_server.url)
+    hook = cloudpickle.loads(cloudpickle.dumps(functools.partial(post_restart, request=request, token=None)))
+    failures: dict[int, Any] = {1: RuntimeError("NCCL\nerror"), 0: RuntimeError("Connection reset by peer")}
+    hook(ray.train.WorkerGroupError("snippet", failures))
+    hook(ray.train.ControllerError(RuntimeError("controller")))
+    then = "Ray Train restarts it from the latest checkpoint"
+    ranks = "rank 0: Connection reset by peer, rank 1: NCCL error"
+    assert [(event["kind"], event["message"]) for event in telemetry_server.events()] == [
+        (WORKER_FAILED, f"worker group failed ({ranks}); {then}"),
+        (WORKER_FAILED, f"worker group failed (the controller); {then}"),
+    ]
