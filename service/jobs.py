@@ -454,30 +454,9 @@ class JobService:
         with self.db.session() as session:
             return repository.list_events(session, job_id)
 
-    def list_metrics(
-        self,
-        job_id: int,
-        *,
-        rank: int | None = None,
-        min_step: int | None = None,
-        max_step: int | None = None,
-        limit: int = 10_000,
-        only_counted: bool = True,
-        every: int | None = None,
-        points: int | None = None,
-    ) -> list[Metric]:
+    def list_metrics(self, job_id: int, query: repository.MetricsQuery) -> list[Metric]:
         with self.db.session() as session:
-            return repository.list_metrics(
-                session,
-                job_id,
-                rank=rank,
-                min_step=min_step,
-                max_step=max_step,
-                limit=limit,
-                only_counted=only_counted,
-                every=every,
-                points=points,
-            )
+            return repository.list_metrics(session, job_id, query)
 
     def list_checkpoints(self, job_id: int) -> list[Checkpoint]:
         with self.db.session() as session:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response, status
 
@@ -23,6 +23,7 @@ from api.schemas import (
 )
 from service.contract.spec import MAX_INT, JobSpec
 from service.contract.states import JobState
+from service.store.repository import MetricsQuery
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -130,45 +131,10 @@ def list_events(job_id: JobId, jobs: JobsDep) -> EventsPublic:
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsPublic, responses=error_responses(404, 422))
-def list_metrics(
-    job_id: JobId,
-    jobs: JobsDep,
-    rank: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
-    min_step: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
-    max_step: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
-    limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
-    segments: Annotated[
-        Literal["counted", "all"],
-        Query(
-            description="counted: for each step and rank, the point of the run that counted (the last "
-            "attempt and worker-group start that trained it); all: also the steps that a restart, a "
-            "recovery or a preemption abandoned and trained again."
-        ),
-    ] = "counted",
-    every: Annotated[
-        int | None, Query(ge=1, le=MAX_INT, description="Keep only the steps that are multiples of N.")
-    ] = None,
-    points: Annotated[
-        int | None,
-        Query(
-            ge=2,
-            le=100_000,
-            description="Keep about K steps, evenly spaced between the first and the last (kept too).",
-        ),
-    ] = None,
-) -> MetricsPublic:
+def list_metrics(job_id: JobId, jobs: JobsDep, query: Annotated[MetricsQuery, Query()]) -> MetricsPublic:
     """Stored points (step, rank, attempt, segment, time, values), ordered by step then rank;
     downsampled on request (`every` or `points`), so that a million-step run still draws."""
-    found = jobs.list_metrics(
-        job_id,
-        rank=rank,
-        min_step=min_step,
-        max_step=max_step,
-        limit=limit,
-        only_counted=segments == "counted",
-        every=every,
-        points=points,
-    )
+    found = jobs.list_metrics(job_id, query)
     return MetricsPublic(data=[MetricPublic.build(point) for point in found], count=len(found))
 
 

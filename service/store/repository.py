@@ -7,15 +7,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
 from service.contract.errors import InvalidTransition, JobNotFound, TokenNotFound
 from service.contract.protocol import MetricPoint, RankStatus
-from service.contract.spec import JobSpec
+from service.contract.spec import MAX_INT, JobSpec
 from service.contract.states import ACTIVE_STATES, JobState, StopReason, can_transition
 from service.store.models import (
     ApiToken,
@@ -498,21 +499,37 @@ def _insert(session: Session) -> Any:
     return postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
 
 
-def list_metrics(
-    session: Session,
-    job_id: int,
-    *,
-    rank: int | None = None,
-    min_step: int | None = None,
-    max_step: int | None = None,
-    attempt: int | None = None,
-    limit: int = 10_000,
-    only_counted: bool = False,
-    every: int | None = None,
-    points: int | None = None,
-) -> list[Metric]:
-    """A job's points by step, rank, attempt and segment. `only_counted`: for each (step, rank), only
-    the point of the latest (attempt, segment) that trained it: the curve of the run that counted,
+class MetricsQuery(BaseModel):
+    """Which of a job's metric points to read: the one place its filters are spelled (the route takes
+    it as its query parameters, `JobService.list_metrics` passes it through, `list_metrics` reads it)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rank: int | None = Field(default=None, ge=0, le=MAX_INT)
+    min_step: int | None = Field(default=None, ge=0, le=MAX_INT)
+    max_step: int | None = Field(default=None, ge=0, le=MAX_INT)
+    attempt: int | None = Field(default=None, ge=1, le=MAX_INT)
+    limit: int = Field(default=10_000, ge=1, le=100_000)
+    segments: Literal["counted", "all"] = Field(
+        default="counted",
+        description="counted: for each step and rank, the point of the run that counted (the last "
+        "attempt and worker-group start that trained it); all: also the steps that a restart, a "
+        "recovery or a preemption abandoned and trained again.",
+    )
+    every: int | None = Field(
+        default=None, ge=1, le=MAX_INT, description="Keep only the steps that are multiples of N."
+    )
+    points: int | None = Field(
+        default=None,
+        ge=2,
+        le=100_000,
+        description="Keep about K steps, evenly spaced between the first and the last (kept too).",
+    )
+
+
+def list_metrics(session: Session, job_id: int, query: MetricsQuery = MetricsQuery()) -> list[Metric]:
+    """A job's points by step, rank, attempt and segment. `segments="counted"`: for each (step, rank),
+    only the point of the latest (attempt, segment) that trained it: the curve of the run that counted,
     without the steps a restart, recovery or preemption trained again.
 
     Downsampling, in the query (a million-step run is never read whole): `every` keeps the steps that
@@ -520,25 +537,25 @@ def list_metrics(
     first and the last step in range (read from the index), and keeps the last step too."""
     get_job(session, job_id)
     conditions = [Metric.job_id == job_id]
-    if rank is not None:
-        conditions.append(Metric.rank == rank)
-    if min_step is not None:
-        conditions.append(Metric.step >= min_step)
-    if max_step is not None:
-        conditions.append(Metric.step <= max_step)
-    if attempt is not None:
-        conditions.append(Metric.attempt == attempt)
-    if every is not None and every > 1:
-        conditions.append(Metric.step % every == 0)
-    if points is not None:
+    if query.rank is not None:
+        conditions.append(Metric.rank == query.rank)
+    if query.min_step is not None:
+        conditions.append(Metric.step >= query.min_step)
+    if query.max_step is not None:
+        conditions.append(Metric.step <= query.max_step)
+    if query.attempt is not None:
+        conditions.append(Metric.attempt == query.attempt)
+    if query.every is not None and query.every > 1:
+        conditions.append(Metric.step % query.every == 0)
+    if query.points is not None:
         first, last = session.execute(
             select(func.min(Metric.step), func.max(Metric.step)).where(*conditions)
         ).one()
-        if first is not None and last - first + 1 > points:
-            stride = -(-(last - first + 1) // points)  # ceil: at most `points` steps
+        if first is not None and last - first + 1 > query.points:
+            stride = -(-(last - first + 1) // query.points)  # ceil: at most `points` steps
             conditions.append(or_((Metric.step - first) % stride == 0, Metric.step == last))
-    query = select(Metric).where(*conditions)
-    if only_counted:
+    selected = select(Metric).where(*conditions)
+    if query.segments == "counted":
         newest = (
             select(
                 Metric.id,
@@ -552,9 +569,9 @@ def list_metrics(
             .where(*conditions)
             .subquery()
         )
-        query = select(Metric).join(newest, Metric.id == newest.c.id).where(newest.c.newest == 1)
-    query = query.order_by(Metric.step, Metric.rank, Metric.attempt, Metric.segment).limit(limit)
-    return list(session.scalars(query))
+        selected = select(Metric).join(newest, Metric.id == newest.c.id).where(newest.c.newest == 1)
+    selected = selected.order_by(Metric.step, Metric.rank, Metric.attempt, Metric.segment).limit(query.limit)
+    return list(session.scalars(selected))
 
 
 def set_checkpoint(session: Session, job: Job, *, step: int, uri: str, attempt: int | None = None) -> bool:

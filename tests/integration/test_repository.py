@@ -150,7 +150,7 @@ def test_metrics_are_idempotent_and_filterable(db: Database) -> None:
         repository.add_metrics(session, job, attempt=1, points=points[:2])  # a re-posted batch
     with db.session() as session:
         assert session.scalar(select(func.count()).select_from(Metric)) == 6
-        rank1 = repository.list_metrics(session, job.id, rank=1, min_step=1)
+        rank1 = repository.list_metrics(session, job.id, repository.MetricsQuery(rank=1, min_step=1))
         assert [(m.step, m.rank) for m in rank1] == [(1, 1), (2, 1)]
         assert rank1[0].values == {"loss": 0.5}
 
