@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Response
-from sqlalchemy import text
 
 from api import errors
 from api.deps import AUTH_RESPONSES, RuntimeDep, get_current_user
@@ -97,13 +96,12 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         database = ray = "ok"
         try:
             assert runtime.db is not None
-            with runtime.db.session() as session:
-                session.execute(text("SELECT 1"))
+            runtime.db.ping()
         except Exception as err:
             logger.warning("readiness: database unavailable: %s", err, extra={"action": "not_ready"})
             database = "unavailable"
         try:
-            runtime.jobs.backend.snapshot()
+            runtime.backend.snapshot()
         except ClusterUnavailable as err:
             ray = f"unavailable: {err.message}"
         ready = database == "ok" and ray == "ok"

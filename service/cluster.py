@@ -83,6 +83,44 @@ class ClusterBackend(Protocol):
     def stop(self, submission_id: str) -> None: ...
 
 
+class CurrentBackend:
+    """The one holder of the service's cluster backend: the job service, the scheduler and the routes
+    all talk to this, and a restarted local Ray is swapped in here (`switch`), once for all of them."""
+
+    def __init__(self, backend: ClusterBackend) -> None:
+        self.current = backend
+
+    def switch(self, backend: ClusterBackend) -> None:
+        self.current = backend
+
+    def snapshot(self) -> ClusterSnapshot:
+        return self.current.snapshot()
+
+    def submit(
+        self,
+        *,
+        submission_id: str,
+        entrypoint: str,
+        env_vars: dict[str, str],
+        py_modules: list[str] | None = None,
+    ) -> None:
+        self.current.submit(
+            submission_id=submission_id, entrypoint=entrypoint, env_vars=env_vars, py_modules=py_modules
+        )
+
+    def job_info(self, submission_id: str) -> RayJobInfo:
+        return self.current.job_info(submission_id)
+
+    def job_logs(self, submission_id: str) -> str:
+        return self.current.job_logs(submission_id)
+
+    def submissions(self, prefix: str) -> list[str]:
+        return self.current.submissions(prefix)
+
+    def stop(self, submission_id: str) -> None:
+        self.current.stop(submission_id)
+
+
 class RayBackend:
     def __init__(
         self, dashboard_url: str, *, auth_token_path: Path | None = None, auth_token: str | None = None

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -58,6 +59,8 @@ from service.contract.spec import JobSpec, Queue
 from service.contract.states import JobState, StopReason
 from service.contract.storage import node_local
 from service.observability import Gauges, Metrics, RunningJob
+from service.planning.formulas import Plan
+from service.planning.measured import measured_plan
 from service.settings import Settings
 from service.store import repository
 from service.store.db import Database
@@ -112,6 +115,22 @@ def in_use_by_queue(jobs: Iterable[Job], *, data_cpus: float) -> dict[str, dict[
         for key, amount in gang.totals.items():
             held[key] = held.get(key, 0.0) + amount
     return in_use
+
+
+@dataclass(frozen=True)
+class JobHistory:
+    job: Job
+    checkpoints: list[Checkpoint]
+    events: list[JobEvent]
+    cursor: tuple[int, int]  # (event id, metric id): a stream resumed from here sends what is newer
+
+
+@dataclass(frozen=True)
+class JobChanges:
+    events: list[JobEvent]
+    metrics: list[Metric]
+    metric_id: int  # the last metric row read (the stream's new cursor)
+    job: Job
 
 
 @dataclass(kw_only=True)
@@ -457,6 +476,48 @@ class JobService:
     def list_metrics(self, job_id: int, query: repository.MetricsQuery) -> list[Metric]:
         with self.db.session() as session:
             return repository.list_metrics(session, job_id, query)
+
+    def job_history(self, job_id: int) -> JobHistory:
+        """A job, its checkpoints and events, and the stream cursor after them, read together."""
+        with self.db.session() as session:
+            job = repository.get_job(session, job_id)
+            return JobHistory(
+                job=job,
+                checkpoints=repository.list_checkpoints(session, job_id),
+                events=repository.list_events(session, job_id),
+                cursor=repository.stream_cursor(session, job_id),
+            )
+
+    def changes_after(
+        self, job_id: int, *, event_id: int, metric_id: int, max_events: int, max_metrics: int
+    ) -> JobChanges:
+        """What a job stream has not sent yet: events and points stored after the cursor, then the job
+        (a state that says "ended" comes with all it stored)."""
+        with self.db.session() as session:
+            events = repository.events_after(session, job_id, after_id=event_id, limit=max_events)
+            metrics, last_metric_id = repository.metrics_after(
+                session, job_id, after_id=metric_id, limit=max_metrics
+            )
+            return JobChanges(
+                events=events,
+                metrics=metrics,
+                metric_id=last_metric_id,
+                job=repository.get_job(session, job_id),
+            )
+
+    def plan(
+        self, *, facts: dict[str, Any], spec: JobSpec | None, job_id: int | None
+    ) -> tuple[Plan, dict[str, str]]:
+        """`service.planning.measured.measured_plan` over this service's database and cluster."""
+        with self.db.session() as session:
+            return measured_plan(
+                session,
+                backend=self.backend,
+                default_mtbf_s=self.settings.default_mtbf_s,
+                facts=facts,
+                spec=spec,
+                job_id=job_id,
+            )
 
     def list_checkpoints(self, job_id: int) -> list[Checkpoint]:
         with self.db.session() as session:

@@ -6,7 +6,7 @@ import logging
 import threading
 
 from service.auth import Auth
-from service.cluster import ClusterBackend, LocalRay, RayBackend, pid_running
+from service.cluster import ClusterBackend, CurrentBackend, LocalRay, RayBackend, pid_running
 from service.contract.errors import ClusterUnavailable
 from service.jobs import JobService
 from service.observability import Metrics
@@ -39,6 +39,7 @@ class Runtime:
         self._jobs: JobService | None = None
         self._auth: Auth | None = None
         self._scheduler: Scheduler | None = None
+        self._backend: CurrentBackend | None = None
         self._stopping = threading.Event()
         self._watchdog: threading.Thread | None = None
 
@@ -46,6 +47,11 @@ class Runtime:
     def jobs(self) -> JobService:
         assert self._jobs is not None, "Runtime.start() first"
         return self._jobs
+
+    @property
+    def backend(self) -> CurrentBackend:
+        assert self._backend is not None, "Runtime.start() first"
+        return self._backend
 
     @property
     def auth(self) -> Auth:
@@ -66,7 +72,7 @@ class Runtime:
             self.db.upgrade()
         else:  # a deployment's own step (`apiary db upgrade`) migrated, or must have
             self.db.require_head()
-        backend = self._given_backend or self._connect_ray()
+        backend = self._backend = CurrentBackend(self._given_backend or self._connect_ray())
         self._auth = Auth(db=self.db, settings=self.settings)
         self._jobs = JobService(db=self.db, backend=backend, settings=self.settings, metrics=self.metrics)
         self._scheduler = Scheduler(db=self.db, backend=backend, settings=self.settings, metrics=self.metrics)
@@ -110,8 +116,8 @@ class Runtime:
                     "could not start the local Ray again: %s", err, extra={"action": "ray_restart_failed"}
                 )
                 continue
-            assert self._jobs is not None and self._scheduler is not None
-            self._jobs.backend = self._scheduler.backend = backend
+            assert self._backend is not None and self._scheduler is not None
+            self._backend.switch(backend)
             self._scheduler.wake()
 
     def drain(self) -> int:

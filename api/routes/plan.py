@@ -13,7 +13,6 @@ from api.schemas import error_responses
 from service.contract.errors import InvalidSpec
 from service.contract.spec import MAX_INT, Int, JobSpec
 from service.planning.formulas import PlanFacts
-from service.planning.measured import measured_plan
 
 router = APIRouter(tags=["plan"])
 
@@ -52,19 +51,12 @@ class PlanPublic(BaseModel):
 @router.post("/plan", response_model=PlanPublic, responses=error_responses(400, 404, 422))
 def create_plan(request: PlanRequest, runtime: RuntimeDep) -> PlanPublic:
     """Throughput, communication ceiling, checkpoint cost, cadence, failure waste and price."""
-    assert runtime.db is not None
-    with runtime.db.session() as session:
-        try:
-            result, sources = measured_plan(
-                session,
-                backend=runtime.jobs.backend,
-                default_mtbf_s=runtime.settings.default_mtbf_s,
-                facts=request.facts.model_dump(exclude_unset=True),
-                spec=request.spec,
-                job_id=request.job_id,
-            )
-        except ValueError as err:  # a spec's fact that does not fit the others
-            raise InvalidSpec(str(err), field="facts") from None
+    try:
+        result, sources = runtime.jobs.plan(
+            facts=request.facts.model_dump(exclude_unset=True), spec=request.spec, job_id=request.job_id
+        )
+    except ValueError as err:  # a spec's fact that does not fit the others
+        raise InvalidSpec(str(err), field="facts") from None
     return PlanPublic(
         plan=result.as_dict(),
         rows=[PlanRow(**row.as_dict()) for row in result.rows],

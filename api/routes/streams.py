@@ -33,7 +33,6 @@ from api.schemas import (
     error_responses,
 )
 from service.jobs import JobService
-from service.store import repository
 
 router = APIRouter(tags=["streams"])
 
@@ -104,13 +103,15 @@ class JobPoll:
 
 
 def _poll_job(jobs: JobService, job_id: int, cursor: JobCursor) -> JobPoll:
-    with jobs.db.session() as session:
-        # Events and points first, the state after: a state that says "ended" comes with all it stored.
-        events = repository.events_after(session, job_id, after_id=cursor.event_id, limit=EVENTS_PER_POLL)
-        metrics, metric_id = repository.metrics_after(
-            session, job_id, after_id=cursor.metric_id, limit=METRICS_PER_POLL
-        )
-        job = JobPublic.build(repository.get_job(session, job_id))
+    changes = jobs.changes_after(
+        job_id,
+        event_id=cursor.event_id,
+        metric_id=cursor.metric_id,
+        max_events=EVENTS_PER_POLL,
+        max_metrics=METRICS_PER_POLL,
+    )
+    events, metrics, metric_id = changes.events, changes.metrics, changes.metric_id
+    job = JobPublic.build(changes.job)
     return JobPoll(
         job=job,
         events=[EventPublic.build(event) for event in events],

@@ -40,7 +40,6 @@ from service.contract.errors import Unauthenticated
 from service.contract.spec import MAX_INT
 from service.contract.states import ACTIVE_STATES, JobState
 from service.jobs import QueueView
-from service.store import repository
 from service.store.models import Job
 
 HERE = Path(__file__).parent
@@ -251,13 +250,12 @@ def job_page(
     user: PageUser,
     part: Annotated[str | None, Query(pattern="^live$")] = None,
 ) -> HTMLResponse:
-    with jobs.db.session() as session:
-        job = repository.get_job(session, job_id)
-        row = progress(job)
-        public: JobPublic = row["job"]
-        checkpoints = [CheckpointPublic.build(c) for c in repository.list_checkpoints(session, job_id)]
-        event_id, metric_id = repository.stream_cursor(session, job_id) if not part else (0, 0)
-        events = [EventPublic.build(e) for e in repository.list_events(session, job_id)] if not part else []
+    history = jobs.job_history(job_id)
+    row = progress(history.job)
+    public: JobPublic = row["job"]
+    checkpoints = [CheckpointPublic.build(c) for c in history.checkpoints]
+    event_id, metric_id = history.cursor if not part else (0, 0)
+    events = [EventPublic.build(e) for e in history.events] if not part else []
     ranks = sorted((public.ranks or {}).items(), key=lambda item: int(item[0]))
     context = {
         "job": public,

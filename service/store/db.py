@@ -121,6 +121,11 @@ class Database:
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, max_delay_s)
 
+    def ping(self) -> None:
+        """One round trip (`SELECT 1`); raises what the driver raises when the database does not answer."""
+        with self.session() as session:
+            session.execute(text("SELECT 1"))
+
     def upgrade(self) -> None:
         upgrade(self.engine)
 

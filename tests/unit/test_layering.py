@@ -201,3 +201,12 @@ def test_the_sdk_and_the_shared_modules_load_without_the_database_or_ray(module:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_api_opens_no_database_session() -> None:
+    """The API reaches the database through the service (`service.jobs`, `service.auth`), whose
+    `service.store.repository` is the one module that talks to it: no route opens a session."""
+    for path in sorted((ROOT / "api").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                assert node.func.attr != "session", f"{path.relative_to(ROOT)}:{node.lineno}"
