@@ -27,6 +27,7 @@ class FakeCluster:
         entrypoint: str,
         env_vars: dict[str, str],
         py_modules: list[str] | None = None,
+        working_dir: str | None = None,
     ) -> None:
         self.statuses[submission_id] = RayJobStatus.RUNNING
 
