@@ -17,7 +17,6 @@ from api.cli import app
 from service.cluster import RayJobStatus, free_port
 from tests.conftest import MigratedTemplates, migrated_sqlite
 from tests.integration.conftest import Service
-from tests.support.jobs import classification_job
 from tests.support.wait import wait_until
 
 
@@ -27,9 +26,11 @@ def database_url(tmp_path: Path, migrated_templates: MigratedTemplates) -> str:
     return migrated_sqlite(tmp_path, migrated_templates)
 
 
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return classification_job(classification_dataset, name="cli-test")
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "cli-test",
+}
 
 
 @pytest.fixture

@@ -7,16 +7,15 @@ import threading
 import time
 from typing import Any
 
-import pytest
-
 from service.cluster import RayJobStatus
 from tests.integration.conftest import Service
-from tests.support.jobs import classification_job
 
-
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return classification_job(classification_dataset, name="logs-test", num_workers=2)
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "logs-test",
+    "num_workers": 2,
+}
 
 
 def start(service: Service, spec: dict[str, Any]) -> tuple[int, str]:
