@@ -1,0 +1,121 @@
+"""The kind of a trainer, read from its source (`service.contract.trainer_kind`): nothing is imported."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from service.contract.trainer_kind import TrainerKind, TrainerNotDefined, kind_of, kind_of_trainer
+
+
+def kind(source: str, name: str = "Train") -> TrainerKind | None:
+    return kind_of(textwrap.dedent(source), name)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("class Train(Recipe):\n    pass", TrainerKind.RECIPE),
+        ("@dataclass\nclass Train:\n    lr: float = 0.1", TrainerKind.RECIPE),
+        ("def Train(ctx: TrainContext): ...", TrainerKind.LOOP),
+        ("def Train(ctx: apiary.TrainContext) -> None: ...", TrainerKind.LOOP),
+        ("def Train(ctx: 'trainers.context.TrainContext'): ...", TrainerKind.LOOP),
+        ("def Train(ctx: TrainContext, /): ...", TrainerKind.LOOP),
+        ("def Train(): ...", TrainerKind.RAY_FUNCTION),
+        ("def Train(config): ...", TrainerKind.RAY_FUNCTION),
+        ("def Train(config: dict): ...", TrainerKind.RAY_FUNCTION),
+        ("def Train(*, ctx: TrainContext): ...", TrainerKind.RAY_FUNCTION),  # not the first positional
+        ("def Train(ctx: NotAContext): ...", TrainerKind.RAY_FUNCTION),
+        ("def Train(ctx: 'not python('): ...", TrainerKind.RAY_FUNCTION),
+    ],
+)
+def test_a_top_level_definition_tells_the_kind(source: str, expected: TrainerKind) -> None:
+    assert kind(source) is expected
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "Train = make_trainer()",
+        "from elsewhere import Train",
+        "import Train",
+        "from elsewhere import thing as Train",
+        "if FLAG:\n    class Train: ...",
+        "try:\n    from fast import Train\nexcept ImportError:\n    def Train(): ...",
+        "@decorate\ndef Train(ctx: TrainContext): ...",
+        "async def Train(): ...",
+        "def __getattr__(name): ...",
+        "from elsewhere import *",
+        "globals()['Train'] = object",
+        "class Train: ...\nTrain = wrap(Train)",  # the last binding wins, and it is an assignment
+    ],
+)
+def test_a_name_bound_any_other_way_is_left_to_the_driver(source: str) -> None:
+    assert kind(source) is None
+
+
+def test_the_last_definition_wins() -> None:
+    assert kind("class Train: ...\ndef Train(): ...") is TrainerKind.RAY_FUNCTION
+    assert kind("def Train(): ...\nclass Train: ...") is TrainerKind.RECIPE
+
+
+def test_a_name_the_module_does_not_define_is_refused() -> None:
+    source = """
+        import os
+        class Other: ...
+        def train(ctx: TrainContext): ...
+        def helper():
+            Train = 1
+    """
+    with pytest.raises(TrainerNotDefined):
+        kind(source)
+
+
+def test_a_class_body_or_a_function_body_does_not_define_a_module_name() -> None:
+    with pytest.raises(TrainerNotDefined):
+        kind("class Other:\n    Train = 1\n    def Train(self): ...")
+
+
+def test_source_that_is_not_python_raises() -> None:
+    with pytest.raises(SyntaxError):
+        kind("def Train(:")
+
+
+def test_builtins_are_recipes() -> None:
+    assert kind_of_trainer("mlp") is TrainerKind.RECIPE
+    assert kind_of_trainer("gpt") is TrainerKind.RECIPE
+
+
+def test_an_installed_module_is_read_not_imported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "kindpkg"
+    package.mkdir()
+    # Importing the package or the module would raise: the kind is read from the files.
+    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    (package / "mod.py").write_text(
+        "raise RuntimeError('imported')\n"
+        "class MyRecipe: ...\n"
+        "def loop(ctx: TrainContext): ...\n"
+        "def ray_train(config): ...\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert kind_of_trainer("kindpkg.mod:MyRecipe") is TrainerKind.RECIPE
+    assert kind_of_trainer("kindpkg.mod:loop") is TrainerKind.LOOP
+    assert kind_of_trainer("kindpkg.mod:ray_train") is TrainerKind.RAY_FUNCTION
+    with pytest.raises(TrainerNotDefined):
+        kind_of_trainer("kindpkg.mod:missing")
+    assert kind_of_trainer("kindpkg.absent:train") is None
+    assert "kindpkg" not in sys.modules
+
+
+def test_an_unreadable_module_is_left_to_the_driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "kindbroken.py").write_text("def train(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert kind_of_trainer("kindbroken:train") is None
+
+
+def test_the_repository_custom_trainers() -> None:
+    # tests.support.custom_trainer: functions of Apiary's launch request, the old custom-trainer form.
+    assert kind_of_trainer("tests.support.custom_trainer:train") is TrainerKind.RAY_FUNCTION
