@@ -217,6 +217,10 @@ def test_submit_watch_and_logs(apiary: Any, spec_file: Path, service: Service) -
     assert json.loads(apiary("logs", "1", "--json").stdout)["text"] == logs.stdout
     assert apiary("logs", "1", "--attempt", "2").exit_code == 1
 
+    service.backend.logs[service.backend.submission_of(1)] = "\x1b[1mbold\x1b[0m line\n"
+    assert apiary("logs", "1").stdout == "bold line\n"
+    assert apiary("logs", "1", "--raw").stdout == "\x1b[1mbold\x1b[0m line\n"
+
 
 def test_the_config_file_gives_the_url_and_the_token(apiary: Any, service: Service, tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
