@@ -193,6 +193,9 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
     attempt: Annotated[int | None, typer.Option(min=1, help="Which attempt [default: the latest].")] = None,
     tail: Annotated[int | None, typer.Option(min=0, help="Only the last N lines.")] = None,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Keep terminal escape sequences (colours) as they were written.")
+    ] = False,
     url: Url = None,
     token: Token = None,
     as_json: AsJson = False,
@@ -200,11 +203,11 @@ def logs(
     """The job's log: its driver's and every rank's output (from its Ray job)."""
     with _client(url, token) as client:
         if follow:
-            for chunk in client.follow_logs(job_id, attempt=attempt, tail=tail):
+            for chunk in client.follow_logs(job_id, attempt=attempt, tail=tail, raw=raw):
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
             return
-        text = client.logs(job_id, attempt=attempt, tail=tail)
+        text = client.logs(job_id, attempt=attempt, tail=tail, raw=raw)
     if as_json:
         print(json.dumps({"job": job_id, "attempt": attempt, "text": text}))
     else:

@@ -341,16 +341,23 @@ class ApiaryClient:
     def checkpoints(self, job_id: int) -> list[CheckpointPublic]:
         return self._get(f"/jobs/{job_id}/checkpoints", CheckpointsPublic).data
 
-    def logs(self, job_id: int, *, attempt: int | None = None, tail: int | None = None) -> str:
-        """The job's log so far (driver and ranks) for `attempt` (default the latest)."""
-        params = _without_none(attempt=attempt, tail=tail)
+    def logs(
+        self, job_id: int, *, attempt: int | None = None, tail: int | None = None, raw: bool = False
+    ) -> str:
+        """The job's log so far (driver and ranks) for `attempt` (default the latest); terminal escape
+        sequences stripped unless `raw`."""
+        params = {**_without_none(attempt=attempt, tail=tail), **({"raw": "true"} if raw else {})}
         return self._send("GET", f"/jobs/{job_id}/logs", resend=True, params=params).text
 
     def follow_logs(
-        self, job_id: int, *, attempt: int | None = None, tail: int | None = None
+        self, job_id: int, *, attempt: int | None = None, tail: int | None = None, raw: bool = False
     ) -> Iterator[str]:
         """The log in chunks as it grows, until the job's Ray job ends."""
-        params = {**_without_none(attempt=attempt, tail=tail), "follow": "true"}
+        params = {
+            **_without_none(attempt=attempt, tail=tail),
+            "follow": "true",
+            **({"raw": "true"} if raw else {}),
+        }
         with self._open_stream(f"/jobs/{job_id}/logs", params=params, headers={}) as response:
             yield from response.iter_text()
 

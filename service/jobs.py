@@ -527,13 +527,13 @@ class JobService:
         """Where the log of an attempt (default: the latest) is (service.logs)."""
         return logs.find_source(self.db, self.backend, job_id, attempt=attempt)
 
-    def read_logs(self, source: logs.LogSource, *, tail: int | None = None) -> str:
-        return logs.read(self.backend, source, tail=tail)
+    def read_logs(self, source: logs.LogSource, *, tail: int | None = None, raw: bool = False) -> str:
+        return logs.read(self.backend, source, tail=tail, raw=raw)
 
     def follow_logs(
-        self, source: logs.LogSource, *, tail: int | None = None, poll_s: float = 1.0
+        self, source: logs.LogSource, *, tail: int | None = None, poll_s: float = 1.0, raw: bool = False
     ) -> Iterator[str]:
-        return logs.follow(self.backend, source, tail=tail, poll_s=poll_s)
+        return logs.follow(self.backend, source, tail=tail, poll_s=poll_s, raw=raw)
 
     def _apply_queue(self, spec: JobSpec) -> JobSpec:
         queue = self.settings.queues.of(spec.queue)
