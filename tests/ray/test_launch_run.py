@@ -34,7 +34,6 @@ from trainers.data import inspect_dataset, iter_batches_for_rank
 from trainers.launch import run
 from trainers.loop import STEP_METRICS
 from trainers.models import GPT
-from trainers.recipe import recipe_for
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -187,7 +186,7 @@ def test_a_custom_trainer_gets_the_dataset_and_the_deterministic_stream(
     seen = [json.loads((out / f"custom-rank-{rank}.json").read_text()) for rank in (0, 1)]
 
     assert sum(rank["shard_rows"] for rank in seen) == 96
-    info = inspect_dataset(spec, recipe=recipe_for(spec))
+    info = inspect_dataset(spec)
     for rank in (0, 1):
         with iter_batches_for_rank(
             request, info, rank=rank, world_size=2, collate_fn=custom_trainer.collate
