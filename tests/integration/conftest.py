@@ -21,6 +21,7 @@ from service.contract.handoff import job_prefix
 from service.runtime import Runtime
 from service.settings import Settings
 from tests.support.fakes import FakeBackend
+from tests.support.jobs import classification_job
 
 
 class Service:
@@ -125,3 +126,11 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
 @pytest.fixture
 def service(start_service: Callable[..., Service]) -> Service:
     return start_service()
+
+
+@pytest.fixture
+def spec(request: pytest.FixtureRequest, classification_dataset: str) -> dict[str, Any]:
+    """The job a test submits: `tests.support.jobs.classification_job` on a fresh dataset, with the
+    test module's `SPEC_FIELDS` (a dict of the fields it changes; its `name` at least)."""
+    fields = dict(getattr(request.module, "SPEC_FIELDS", {"name": "job"}))
+    return classification_job(classification_dataset, **fields)

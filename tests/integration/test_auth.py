@@ -22,7 +22,6 @@ from service.auth import Auth
 from service.cluster import RayJobStatus
 from service.settings import Settings
 from tests.integration.conftest import Service
-from tests.support.jobs import classification_job
 
 # No user needed: what monitoring reads (the health check, Prometheus' aggregate metrics) and the
 # trainers' telemetry (not a user's route).
@@ -34,9 +33,11 @@ PUBLIC = {
 }
 
 
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return classification_job(classification_dataset, name="auth-test")
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "auth-test",
+}
 
 
 class People:
