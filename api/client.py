@@ -26,7 +26,7 @@ import os
 import time
 import tomllib
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +38,7 @@ from pydantic import BaseModel
 from api.schemas import (
     CheckpointPublic,
     CheckpointsPublic,
+    ComparePublic,
     EventPublic,
     EventsPublic,
     Health,
@@ -360,6 +361,10 @@ class ApiaryClient:
         }
         with self._open_stream(f"/jobs/{job_id}/logs", params=params, headers={}) as response:
             yield from response.iter_text()
+
+    def compare(self, job_ids: Sequence[int]) -> ComparePublic:
+        """Jobs side by side: final and best metrics, and the spec keys they differ in."""
+        return self._get("/compare", ComparePublic, params={"jobs": ",".join(str(i) for i in job_ids)})
 
     # --- who you are, and tokens (admins) -------------------------------------------------------
 

@@ -109,12 +109,13 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
         if nodes is not None:
             backend.nodes = nodes
         runtime = Runtime(config, backend=backend, run_scheduler=run_scheduler)
+        # Bound where `host` says (0.0.0.0 in the fail-closed test), reached on 127.0.0.1 only.
         server = BackgroundServer(
-            create_app(runtime=runtime), host="127.0.0.1", port=port, log_level=log_level
+            create_app(runtime=runtime), host=config.host, port=port, log_level=log_level
         )
         server.start()
         servers.append(server)
-        http = httpx.Client(base_url=server.url, timeout=10)
+        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
         return Service(http=http, runtime=runtime, backend=backend)
 
     yield start
