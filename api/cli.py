@@ -19,7 +19,7 @@ from api.app import create_app
 from api.cli_plan import plan_command
 from api.client import ApiaryClientError
 from api.demo import run_demo_job, write_demo_dataset
-from api.logformat import configure_logging
+from api.logformat import configure_logging, route_ray_logs
 from service.cluster import free_port
 from service.contract.errors import one_line
 from service.contract.spec import DataFormat
@@ -30,6 +30,10 @@ app = typer.Typer(
 )
 console = Console(soft_wrap=True)
 cli_jobs.register(app)
+
+
+# Ray's own log lines (its INFO) too; Apiary's are shown either way.
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also show Ray's INFO log lines.")]
 
 
 def _settings(**overrides: Any) -> Settings:
@@ -46,11 +50,13 @@ def _settings(**overrides: Any) -> Settings:
 def serve(
     host: Annotated[str | None, typer.Option(help="Interface to listen on [default: 127.0.0.1].")] = None,
     port: Annotated[int | None, typer.Option(help="Port to listen on [default: 8000].")] = None,
+    verbose: Verbose = False,
 ) -> None:
     """Start the API, the scheduler and (unless APIARY_RAY_ADDRESS is set) a local Ray."""
     settings = _settings(host=host, port=port)
     cli_admin.refuse_unsafe_bind(settings)
     configure_logging(settings.log_format)
+    route_ray_logs(verbose=verbose)
     server.serve(create_app(settings), host=settings.host, port=settings.port, log_format=settings.log_format)
 
 
@@ -58,9 +64,11 @@ def serve(
 def demo(
     steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 60,
     workers: Annotated[int, typer.Option(min=1, help="Train workers.")] = 2,
+    verbose: Verbose = False,
 ) -> None:
     """Write a small token dataset, start Apiary, train a tiny GPT on 2 workers, show progress."""
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
+    route_ray_logs(verbose=verbose)
     port = free_port()
     settings = _settings(port=port)
     cli_admin.refuse_unsafe_bind(settings)

@@ -47,7 +47,7 @@ JobId = Annotated[int, typer.Argument(help="The job's id.")]
 
 
 def register(app: typer.Typer) -> None:
-    for command in (submit, jobs, queue, show, logs, watch, cancel, preempt):
+    for command in (submit, jobs, queue, show, logs, watch, cancel, preempt, compare):
         app.command()(command)
 
 
@@ -203,6 +203,9 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
     attempt: Annotated[int | None, typer.Option(min=1, help="Which attempt [default: the latest].")] = None,
     tail: Annotated[int | None, typer.Option(min=0, help="Only the last N lines.")] = None,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Keep terminal escape sequences (colours) as they were written.")
+    ] = False,
     url: Url = None,
     token: Token = None,
     as_json: AsJson = False,
@@ -210,11 +213,11 @@ def logs(
     """The job's log: its driver's and every rank's output (from its Ray job)."""
     with _client(url, token) as client:
         if follow:
-            for chunk in client.follow_logs(job_id, attempt=attempt, tail=tail):
+            for chunk in client.follow_logs(job_id, attempt=attempt, tail=tail, raw=raw):
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
             return
-        text = client.logs(job_id, attempt=attempt, tail=tail)
+        text = client.logs(job_id, attempt=attempt, tail=tail, raw=raw)
     if as_json:
         print(json.dumps({"job": job_id, "attempt": attempt, "text": text}))
     else:
@@ -243,6 +246,48 @@ def preempt(job_id: JobId, url: Url = None, token: Token = None, as_json: AsJson
     """Checkpoint a running job and requeue it in its place (exit 1 unless it is running)."""
     with _client(url, token) as client:
         _done(client.preempt(job_id), as_json=as_json)
+
+
+def compare(
+    job_ids: Annotated[list[int], typer.Argument(help="Two or more job ids.", min=1)],
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Jobs side by side: final and best metrics (rank 0; best: lowest for *loss, else highest) and
+    the spec keys they differ in."""
+    with _client(url, token) as client:
+        found = client.compare(job_ids)
+    if as_json:
+        _print_json(found)
+        return
+    table = Table(box=None, pad_edge=False)
+    table.add_column("")
+    for run in found.jobs:
+        table.add_column(f"job {run.id}", justify="right")
+    table.add_row("name", *(escape(run.name) for run in found.jobs))
+    table.add_row("state", *(str(run.state) for run in found.jobs))
+    table.add_row("step", *(str(run.latest_step or 0) for run in found.jobs))
+    metrics = sorted({name for run in found.jobs for name in run.final})
+    for name in metrics:
+        table.add_row(f"final {name}", *(_number(run.final.get(name)) for run in found.jobs))
+    for name in metrics:
+        table.add_row(
+            f"best {name}",
+            *(
+                f"{_number(run.best.get(name))} @{run.best_step[name]}" if name in run.best else "-"
+                for run in found.jobs
+            ),
+        )
+    for key, values in found.spec_diff.items():
+        table.add_row(f"[bold]{escape(key)}[/]", *(escape(json.dumps(value)) for value in values))
+    console.print(table)
+    if not found.spec_diff:
+        console.print("[dim]the specs are the same[/]")
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,9 +10,11 @@ and the failure rate it has observed.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from types import UnionType
+from typing import Annotated, Any, NoReturn, Union, get_args, get_origin
 
 import httpx
 import typer
@@ -22,7 +24,7 @@ from rich.table import Table
 from api.client import ApiaryClient, ApiaryClientError
 from service.contract.errors import one_line
 from service.contract.spec import JobSpec, parse_spec_text
-from service.planning.formulas import Plan, Row, facts_from_spec, merge_facts, plan
+from service.planning.formulas import Plan, PlanFacts, Row, facts_from_spec, merge_facts, plan
 
 console = Console(soft_wrap=True)
 
@@ -111,42 +113,67 @@ def _rows(result: Plan) -> list[dict[str, Any]]:
     return [row.as_dict() for row in rows]
 
 
+# Facts the command line gives in other units than PlanFacts' own (SI): flag -> (fact, scale, help).
+SCALED_FLAGS: dict[str, tuple[str, float, str]] = {
+    "link_gbps": ("link_bytes_per_s", 1e9 / 8, "Slowest link of the all-reduce, Gbit/s."),
+    "link_gbytes_per_s": ("link_bytes_per_s", 1e9, "The same in GB/s."),
+    "storage_gbytes_per_s": ("storage_bytes_per_s", 1e9, "Checkpoint write bandwidth, GB/s."),
+    "mtbf_h": ("mtbf_s", 3600.0, "Mean time between failures of the job, hours."),
+    "price_per_gpu_h": ("price_per_gpu_h_usd", 1.0, "On-demand USD per GPU-hour."),
+}
+# Facts that are shown, not given.
+NOT_FLAGS = frozenset({"nodes"})
+
+
+def fact_flags() -> list[inspect.Parameter]:
+    """One option per fact of `PlanFacts` (its type and description), in its units or as SCALED_FLAGS
+    says: the flags are read from the model, never listed twice."""
+    scaled = {fact for fact, _, _ in SCALED_FLAGS.values()}
+    options: list[tuple[str, type, str]] = []
+    for name, field in PlanFacts.model_fields.items():
+        if name in NOT_FLAGS:
+            continue
+        if name in scaled:
+            options.extend(
+                (flag, float, text) for flag, (fact, _, text) in SCALED_FLAGS.items() if fact == name
+            )
+            continue
+        default = f" (default {field.default})" if field.default is not None else ""
+        options.append((name, _scalar(field.annotation), f"{field.description}{default}"))
+    return [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[kind | None, typer.Option(help=text)],
+        )
+        for name, kind, text in options
+    ]
+
+
+def _scalar(annotation: Any) -> type:
+    """int or float for a (possibly optional, annotated) number; str for the rest (choices included)."""
+    while get_origin(annotation) in (Union, UnionType, Annotated):
+        annotation = next(arg for arg in get_args(annotation) if arg is not type(None))
+    return annotation if annotation in (int, float) else str
+
+
+def facts_from_flags(given: dict[str, Any]) -> dict[str, Any]:
+    """The facts of the flags given (None: not given), in PlanFacts' units."""
+    if given.get("link_gbps") is not None and given.get("link_gbytes_per_s") is not None:
+        _usage_error("give --link-gbps or --link-gbytes-per-s, not both")
+    facts: dict[str, Any] = {}
+    for flag, value in given.items():
+        if value is None:
+            continue
+        fact, scale, _ = SCALED_FLAGS.get(flag, (flag, 1.0, ""))
+        facts[fact] = value * scale if flag in SCALED_FLAGS else value
+    return facts
+
+
 def plan_command(
     spec_file: Annotated[Path | None, typer.Argument(help="Job spec (YAML/JSON) to take facts from.")] = None,
-    params: Annotated[float | None, typer.Option(min=1, help="Model parameters, e.g. 70e9.")] = None,
-    workers: Annotated[int | None, typer.Option(min=1, help="Data-parallel workers.")] = None,
-    batch_per_worker: Annotated[int | None, typer.Option(min=1, help="Samples per worker per step.")] = None,
-    step_time_s: Annotated[float | None, typer.Option(help="Compute time per step, seconds.")] = None,
-    steps: Annotated[
-        int | None, typer.Option(min=1, help="Steps of the run (prices it without --hours).")
-    ] = None,
-    grad_bytes_per_worker: Annotated[
-        float | None, typer.Option(help="Bytes each worker moves per step [default: from params].")
-    ] = None,
-    link_gbps: Annotated[float | None, typer.Option(help="Slowest link of the all-reduce, Gbit/s.")] = None,
-    link_gbytes_per_s: Annotated[float | None, typer.Option(help="The same in GB/s.")] = None,
-    precision: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16 [default: fp32].")] = None,
-    optimizer: Annotated[str | None, typer.Option(help="adam or sgd [default: adam].")] = None,
-    ckpt_bytes: Annotated[float | None, typer.Option(help="Checkpoint size [default: from params].")] = None,
-    storage_gbytes_per_s: Annotated[
-        float | None, typer.Option(help="Checkpoint write bandwidth, GB/s.")
-    ] = None,
-    ckpt_write_s: Annotated[
-        float | None, typer.Option(help="A measured checkpoint save time, seconds.")
-    ] = None,
-    ckpt_every_steps: Annotated[int | None, typer.Option(help="Checkpoint every K steps.")] = None,
-    ckpt_every_s: Annotated[float | None, typer.Option(help="Checkpoint every S seconds.")] = None,
-    mtbf_h: Annotated[
-        float | None, typer.Option(help="Mean time between failures of the job, hours.")
-    ] = None,
-    restart_s: Annotated[float | None, typer.Option(help="Time a restart takes, seconds.")] = None,
-    gpus_per_worker: Annotated[float | None, typer.Option(help="GPUs per worker [default: 1].")] = None,
-    price_per_gpu_h: Annotated[float | None, typer.Option(help="On-demand USD per GPU-hour.")] = None,
-    spot_discount: Annotated[float | None, typer.Option(help="Spot's fraction off, e.g. 0.6.")] = None,
-    spot_preemptions_per_h: Annotated[float | None, typer.Option(help="Spot preemptions per hour.")] = None,
-    hours: Annotated[
-        float | None, typer.Option(help="Wall hours to price [default: steps x step time].")
-    ] = None,
+    *,
     job: Annotated[
         int | None, typer.Option(help="Add what Apiary measured of this job (asks the server).")
     ] = None,
@@ -157,36 +184,10 @@ def plan_command(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print every quantity as one flat JSON object.")
     ] = False,
+    **flags: Any,
 ) -> None:
     """Throughput, communication ceiling, checkpoint cost, cadence, failure waste and price of a run."""
-    if link_gbps is not None and link_gbytes_per_s is not None:
-        _usage_error("give --link-gbps or --link-gbytes-per-s, not both")
-    flags: dict[str, Any] = {
-        "params": params,
-        "workers": workers,
-        "batch_per_worker": batch_per_worker,
-        "step_time_s": step_time_s,
-        "steps": steps,
-        "grad_bytes_per_worker": grad_bytes_per_worker,
-        "link_bytes_per_s": link_gbps * 1e9 / 8 if link_gbps is not None else None,
-        "precision": precision,
-        "optimizer": optimizer,
-        "ckpt_bytes": ckpt_bytes,
-        "storage_bytes_per_s": storage_gbytes_per_s * 1e9 if storage_gbytes_per_s is not None else None,
-        "ckpt_write_s": ckpt_write_s,
-        "ckpt_every_steps": ckpt_every_steps,
-        "ckpt_every_s": ckpt_every_s,
-        "mtbf_s": mtbf_h * 3600 if mtbf_h is not None else None,
-        "restart_s": restart_s,
-        "gpus_per_worker": gpus_per_worker,
-        "price_per_gpu_h_usd": price_per_gpu_h,
-        "spot_discount": spot_discount,
-        "spot_preemptions_per_h": spot_preemptions_per_h,
-        "hours": hours,
-    }
-    if link_gbytes_per_s is not None:
-        flags["link_bytes_per_s"] = link_gbytes_per_s * 1e9
-    flags = {name: value for name, value in flags.items() if value is not None}
+    flags = facts_from_flags(flags)
     spec: JobSpec | None = None
     if spec_file is not None:
         try:
@@ -216,3 +217,15 @@ def plan_command(
         print(json.dumps(flat))
         return
     print_table(rows, sources=sources)
+
+
+def _with_fact_flags(command: Any) -> Any:
+    """`command`'s signature with `**flags` replaced by the fact options (what Typer reads)."""
+    signature = inspect.signature(command, eval_str=True)
+    fixed = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    command.__signature__ = signature.replace(parameters=[*fixed, *fact_flags()])
+    command.__annotations__ = {p.name: p.annotation for p in command.__signature__.parameters.values()}
+    return command
+
+
+_with_fact_flags(plan_command)

@@ -26,7 +26,7 @@ import os
 import time
 import tomllib
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,6 +39,7 @@ from api.schemas import (
     CheckpointPublic,
     CheckpointsPublic,
     CodePublic,
+    ComparePublic,
     EventPublic,
     EventsPublic,
     Health,
@@ -377,18 +378,29 @@ class ApiaryClient:
     def checkpoints(self, job_id: int) -> list[CheckpointPublic]:
         return self._get(f"/jobs/{job_id}/checkpoints", CheckpointsPublic).data
 
-    def logs(self, job_id: int, *, attempt: int | None = None, tail: int | None = None) -> str:
-        """The job's log so far (driver and ranks) for `attempt` (default the latest)."""
-        params = _without_none(attempt=attempt, tail=tail)
+    def logs(
+        self, job_id: int, *, attempt: int | None = None, tail: int | None = None, raw: bool = False
+    ) -> str:
+        """The job's log so far (driver and ranks) for `attempt` (default the latest); terminal escape
+        sequences stripped unless `raw`."""
+        params = {**_without_none(attempt=attempt, tail=tail), **({"raw": "true"} if raw else {})}
         return self._send("GET", f"/jobs/{job_id}/logs", resend=True, params=params).text
 
     def follow_logs(
-        self, job_id: int, *, attempt: int | None = None, tail: int | None = None
+        self, job_id: int, *, attempt: int | None = None, tail: int | None = None, raw: bool = False
     ) -> Iterator[str]:
         """The log in chunks as it grows, until the job's Ray job ends."""
-        params = {**_without_none(attempt=attempt, tail=tail), "follow": "true"}
+        params = {
+            **_without_none(attempt=attempt, tail=tail),
+            "follow": "true",
+            **({"raw": "true"} if raw else {}),
+        }
         with self._open_stream(f"/jobs/{job_id}/logs", params=params, headers={}) as response:
             yield from response.iter_text()
+
+    def compare(self, job_ids: Sequence[int]) -> ComparePublic:
+        """Jobs side by side: final and best metrics, and the spec keys they differ in."""
+        return self._get("/compare", ComparePublic, params={"jobs": ",".join(str(i) for i in job_ids)})
 
     # --- who you are, and tokens (admins) -------------------------------------------------------
 

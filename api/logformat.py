@@ -1,6 +1,9 @@
 """How the service's own log lines look: `text` for people, `json` (one object per line) for log
 shippers. `APIARY_LOG_FORMAT` picks one; `apiary serve` calls `configure_logging` once, at start.
 
+Ray's lines go through the same handler (so they are JSON too), at WARNING and above unless `-v`:
+its client's INFO lines ("Uploading package gcs://...") are not Apiary's news (`route_ray_logs`).
+
 A JSON line holds `time` (UTC, ISO 8601), `level`, `logger`, `message`, the structured `extra` a call
 site passed (`extra={"action": "job_admitted", "job": {...}}`), and `exc_info` when there is a
 traceback. Values that are not JSON (paths, enums, datetimes) are written as their `str`.
@@ -45,3 +48,17 @@ def configure_logging(log_format: str, *, level: int = logging.INFO) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level, handlers=[handler])
+
+
+def route_ray_logs(*, verbose: bool) -> None:
+    """Send Ray's loggers through Apiary's handler, at INFO when `verbose`, else at WARNING and above.
+
+    Importing Ray gives its `ray` logger a handler of its own, level INFO, and no propagation; so Ray
+    is imported here first (the commands that call this talk to Ray anyway), then that is undone."""
+    import ray  # noqa: F401
+
+    ray_logger = logging.getLogger("ray")
+    for handler in list(ray_logger.handlers):
+        ray_logger.removeHandler(handler)
+    ray_logger.propagate = True
+    ray_logger.setLevel(logging.INFO if verbose else logging.WARNING)

@@ -14,7 +14,7 @@ from service.contract.spec import MAX_PRIORITY, Bool, Int, JobSpec, Queue
 from service.contract.states import CheckpointState, JobState
 
 if TYPE_CHECKING:  # the SDK (api.client) reads these schemas without the database's modules
-    from service.jobs import QueueView
+    from service.jobs import Comparison, QueueView
     from service.store.models import ApiToken, Checkpoint, CodePackage, Job, JobEvent, Metric
 
 
@@ -321,3 +321,40 @@ class TokenCreated(TokenPublic):
 class TokensPublic(BaseModel):
     data: list[TokenPublic]
     count: int
+
+
+class RunSummaryPublic(BaseModel):
+    id: int
+    name: str
+    state: JobState
+    latest_step: int | None
+    final: dict[str, float] = Field(description="Each metric's value at its last step (rank 0).")
+    final_step: dict[str, int]
+    best: dict[str, float] = Field(description="Each metric's best value: lowest for *loss, else highest.")
+    best_step: dict[str, int]
+
+
+class ComparePublic(BaseModel):
+    jobs: list[RunSummaryPublic]
+    spec_diff: dict[str, list[Any]] = Field(
+        description="The spec keys (dotted, e.g. config.lr) whose values differ, with each job's value."
+    )
+
+    @classmethod
+    def build(cls, comparison: Comparison) -> ComparePublic:
+        return cls(
+            jobs=[
+                RunSummaryPublic(
+                    id=job.id,
+                    name=job.name,
+                    state=job.state,
+                    latest_step=job.latest_step,
+                    final=summary.final,
+                    final_step=summary.final_step,
+                    best=summary.best,
+                    best_step=summary.best_step,
+                )
+                for job, summary in comparison.runs
+            ],
+            spec_diff=comparison.spec_diff,
+        )

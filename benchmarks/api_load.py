@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import random
 import statistics
 import subprocess
@@ -38,7 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Coroutine, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,17 +48,14 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+from _common import command, machine, postgres_database  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from fake_cluster import FakeCluster  # noqa: E402
 
 from service.cluster import free_port  # noqa: E402
 from service.store.db import Database  # noqa: E402
 from service.store.models import IdempotencyKey, Job  # noqa: E402
-from tests.support.databases import fresh_postgres_database  # noqa: E402
+from tests.support.fakes import FakeBackend  # noqa: E402
 
-PG_ADMIN_URL = os.environ.get("APIARY_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 MAX_TRIES = 6
 SHORT_READ_TIMEOUT_S = 0.005
 
@@ -80,7 +75,7 @@ def serve(*, database_url: str, port: int, data_dir: Path) -> None:
     settings = Settings(
         data_dir=data_dir, database_url=database_url, port=port, data_roots=str(data_dir.parent)
     )
-    app = create_app(runtime=Runtime(settings, backend=FakeCluster()))
+    app = create_app(runtime=Runtime(settings, backend=FakeBackend.running()))
     # One process, as `apiary serve` runs; no access log (a line per request is not what is measured).
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
@@ -285,10 +280,6 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def postgres_database() -> AbstractContextManager[str]:
-    return fresh_postgres_database(PG_ADMIN_URL, prefix="apiary_bench")
-
-
 def bench(name: str, database_url: str, *, workdir: Path, dataset_uri: str, args: argparse.Namespace) -> bool:
     rng = random.Random(1)
     specs = [spec_for(index, dataset_uri) for index in range(args.jobs)]
@@ -385,12 +376,8 @@ def main() -> None:
             else:
                 with postgres_database() as url:
                     ok &= bench(name, url, workdir=workdir, dataset_uri=dataset_uri, args=args)
-    load_average = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(
-        f"- machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}, load average {load_average} at the end"
-    )
-    print(f"- command: `{' '.join(['python', 'benchmarks/api_load.py', *sys.argv[1:]])}`")
+    print(f"- machine: {machine()}, at the end")
+    print(f"- command: `{command()}`")
     sys.exit(0 if ok else 1)
 
 

@@ -16,37 +16,30 @@ is the server; each run uses a fresh database and drops it.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import statistics
 import sys
 import tempfile
 import time
-from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _common import command, machine, postgres_database  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from sqlalchemy import insert  # noqa: E402
 
 from api.app import create_app  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from fake_cluster import FakeCluster  # noqa: E402
-
 from service.contract.spec import JobSpec  # noqa: E402
 from service.contract.states import JobState  # noqa: E402
 from service.runtime import Runtime  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.store.db import Database  # noqa: E402
 from service.store.models import Job  # noqa: E402
-from tests.support.databases import fresh_postgres_database  # noqa: E402
+from tests.support.fakes import FakeBackend  # noqa: E402
 
-PG_ADMIN_URL = os.environ.get("APIARY_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 JOBS, QUEUED, RUNNING = 10_000, 4_000, 100
 GOAL_MS = 100.0
 PATHS = {"/ (first page)": "/", "/queues": "/queues", "/jobs?limit=100": "/jobs?limit=100"}
@@ -130,7 +123,7 @@ def bench(database_url: str, *, workdir: Path, repeats: int) -> dict[str, float]
     db.dispose()
     settings = Settings(data_dir=workdir / "data", database_url=database_url)
     runtime = Runtime(
-        settings, backend=FakeCluster(nodes=64, node={"CPU": 32.0, "GPU": 8.0}), run_scheduler=False
+        settings, backend=FakeBackend.running(nodes=64, node={"CPU": 32.0, "GPU": 8.0}), run_scheduler=False
     )
     figures = {}
     with TestClient(create_app(runtime=runtime)) as client:
@@ -150,18 +143,12 @@ def bench(database_url: str, *, workdir: Path, repeats: int) -> dict[str, float]
     return figures
 
 
-def postgres_database() -> AbstractContextManager[str]:
-    return fresh_postgres_database(PG_ADMIN_URL, prefix="apiary_bench")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
-    print(
-        f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
-        f"load {os.getloadavg()}"
-    )
+    print(f"- machine: {machine()}")
+    print(f"- command: `{command()}`")
     results = {}
     with tempfile.TemporaryDirectory() as tmp, postgres_database() as pg_url:
         workdir = Path(tmp)
@@ -176,7 +163,7 @@ def main() -> None:
         f"first page: worst {worst:.1f} ms wall; goal < {GOAL_MS:g} ms: "
         f"{'met' if worst < GOAL_MS else 'NOT met'}"
     )
-    print(f"load average after: {os.getloadavg()}")
+    print(f"- machine after: {machine()}")
 
 
 if __name__ == "__main__":

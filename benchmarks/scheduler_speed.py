@@ -21,8 +21,6 @@ is the server; each run uses a fresh database and drops it.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import statistics
 import sys
@@ -38,15 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+from _common import command, machine, postgres_database  # noqa: E402
 from sqlalchemy import insert  # noqa: E402
 
 from api.app import create_app  # noqa: E402
 from api.demo import token_table, write_shards  # noqa: E402
 from api.server import BackgroundServer  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from fake_cluster import FakeCluster  # noqa: E402
-
 from service.capacity import Gang  # noqa: E402
 from service.cluster import RayJobStatus, free_port  # noqa: E402
 from service.contract.spec import JobSpec  # noqa: E402
@@ -57,9 +52,8 @@ from service.scheduling.scheduler import Scheduler  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.store.db import Database  # noqa: E402
 from service.store.models import Job  # noqa: E402
-from tests.support.databases import fresh_postgres_database  # noqa: E402
+from tests.support.fakes import FakeBackend  # noqa: E402
 
-PG_ADMIN_URL = os.environ.get("APIARY_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 NODES, NODE = 64, {"CPU": 32.0, "GPU": 8.0}
 QUEUED, RUNNING = 10_000, 500
 GOAL_DECIDE_MS = 50.0
@@ -117,7 +111,7 @@ def bench_decide(repeats: int) -> tuple[float, float]:
         for i in range(QUEUED)
     ]
     usage = {f"u{k}": rng.uniform(0, 5000) for k in range(50)}
-    cluster = FakeCluster(nodes=NODES, node=dict(NODE)).snapshot()
+    cluster = FakeBackend.running(nodes=NODES, node=dict(NODE)).snapshot()
 
     def timed(run: Callable[[], object]) -> float:
         times = []
@@ -137,7 +131,7 @@ def bench_decide(repeats: int) -> tuple[float, float]:
 
 @contextmanager
 def databases(workdir: Path) -> Iterator[dict[str, str]]:
-    with fresh_postgres_database(PG_ADMIN_URL, prefix="apiary_bench") as postgresql:
+    with postgres_database() as postgresql:
         yield {"sqlite": f"sqlite:///{workdir / 'bench.db'}", "postgresql": postgresql}
 
 
@@ -146,7 +140,7 @@ def bench_tick(database_url: str, *, workdir: Path, dataset_uri: str, ticks: int
     rng = random.Random(1)
     db = Database(database_url)
     db.upgrade()
-    cluster = FakeCluster(nodes=NODES, node=dict(NODE))
+    cluster = FakeBackend.running(nodes=NODES, node=dict(NODE))
     now = datetime.now(UTC)
     rows = []
     for index in range(QUEUED + RUNNING):
@@ -201,7 +195,7 @@ def bench_admission(database_url: str, *, workdir: Path, dataset_uri: str, jobs:
         data_roots=str(workdir),  # the dataset lies in the work folder
     )
     # Room for every job at once: admission is what is measured.
-    cluster = FakeCluster(nodes=NODES, node={key: amount * 64 for key, amount in NODE.items()})
+    cluster = FakeBackend.running(nodes=NODES, node={key: amount * 64 for key, amount in NODE.items()})
     runtime = Runtime(settings, backend=cluster)
     server = BackgroundServer(create_app(runtime=runtime), host="127.0.0.1", port=port)
     server.start()
@@ -265,11 +259,8 @@ def main() -> None:
                     f"admission on {name}, {args.jobs} jobs over REST: {submitted:.0f} submissions/s, "
                     f"**{admitted:.0f} admitted/s** (submission to the last admission)"
                 )
-    print(
-        f"- machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}"
-    )
-    print(f"- command: `{' '.join(['python', 'benchmarks/scheduler_speed.py', *sys.argv[1:]])}`")
+    print(f"- machine: {machine()}")
+    print(f"- command: `{command()}`")
 
 
 if __name__ == "__main__":

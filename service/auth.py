@@ -13,9 +13,13 @@ Roles (`User.admin`):
 - an admin may do anything: cancel or preempt any job, submit at any priority, change a job's queue
   or priority afterwards (`JobService.update`), and create, list and revoke tokens.
 
-Authentication is required once any unrevoked token exists, or when `Settings.auth_required`. Until
-then Apiary is one local user (`Settings.local_user`, an admin), as it was before tokens: `apiary
-serve` refuses to listen on a non-loopback address in that mode (api.cli).
+Authentication fails closed. It is required when `Settings.auth_required` (APIARY_AUTH_REQUIRED, the
+explicit switch), and from the moment a token is first created or the service starts listening on an
+address other than loopback: that moment is persisted in the database (`AuthState`), not inferred per
+request, and nothing in the service unsets it, so revoking tokens never opens a server again. The
+last active admin token cannot be revoked (409 `LastAdminToken`). Until auth is required Apiary is one
+local user (`Settings.local_user`, an admin), as it was before tokens: `apiary serve` refuses to
+listen on a non-loopback address in that mode (api.cli).
 """
 
 from __future__ import annotations
@@ -108,6 +112,7 @@ class Auth:
     def __init__(self, *, db: Database, settings: Settings) -> None:
         self.db = db
         self.settings = settings
+        self._required = False  # seen required once: it never goes back (another replica may set it)
 
     @property
     def local_user(self) -> User:
@@ -115,10 +120,25 @@ class Auth:
 
     def required(self) -> bool:
         """Whether a request must carry a token (see the module docstring)."""
-        if self.settings.auth_required:
+        if self.settings.auth_required or self._required:
             return True
         with self.db.session() as session:
-            return repository.any_active_token(session)
+            self._required = repository.auth_required(session)
+        return self._required
+
+    def require(self, *, reason: str) -> None:
+        """Require a token from now on, for good (persisted)."""
+        with self.db.session() as session:
+            repository.require_auth(session, reason=reason)
+        self._required = True
+
+    def fail_closed(self, *, host: str) -> None:
+        """At start: a service that listens beyond loopback, or is told to require auth, requires it
+        for good."""
+        if self.settings.auth_required:
+            self.require(reason="APIARY_AUTH_REQUIRED is set")
+        elif not is_loopback(host):
+            self.require(reason=f"the service listens on {host}")
 
     def authenticate(self, secret: str | None) -> User:
         """The user `secret` belongs to; without one, the local user unless auth is required."""

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import auth, logs
+from service import auth, compare, logs
 from service.allowlists import check_dataset, check_trainer
 from service.auth import User
 from service.capacity import ClusterSnapshot, capacity_text, fits_empty_cluster, gang_for
@@ -145,6 +145,12 @@ class JobChanges:
     metrics: list[Metric]
     metric_id: int  # the last metric row read (the stream's new cursor)
     job: Job
+
+
+@dataclass(frozen=True)
+class Comparison:
+    runs: list[tuple[Job, compare.MetricSummary]]
+    spec_diff: dict[str, list[Any]]  # dotted spec key -> each job's value, where they differ
 
 
 @dataclass(kw_only=True)
@@ -641,6 +647,20 @@ class JobService:
                 job_id=job_id,
             )
 
+    def compare(self, job_ids: Sequence[int]) -> Comparison:
+        """Jobs side by side (`service.compare`): each one's final and best metrics (rank 0, the run
+        that counted), and the spec keys they differ in. JobNotFound for an unknown id."""
+        runs: list[tuple[Job, compare.MetricSummary]] = []
+        query = repository.MetricsQuery(
+            rank=0, points=compare.MAX_COMPARED_STEPS - 1, limit=compare.MAX_COMPARED_STEPS
+        )
+        with self.db.session() as session:
+            for job_id in job_ids:
+                job = repository.get_job(session, job_id)
+                points = repository.list_metrics(session, job_id, query)
+                runs.append((job, compare.summarize((point.step, point.values) for point in points)))
+        return Comparison(runs=runs, spec_diff=compare.spec_diff([job.spec for job, _ in runs]))
+
     def list_checkpoints(self, job_id: int) -> list[Checkpoint]:
         with self.db.session() as session:
             return repository.list_checkpoints(session, job_id)
@@ -649,13 +669,13 @@ class JobService:
         """Where the log of an attempt (default: the latest) is (service.logs)."""
         return logs.find_source(self.db, self.backend, job_id, attempt=attempt)
 
-    def read_logs(self, source: logs.LogSource, *, tail: int | None = None) -> str:
-        return logs.read(self.backend, source, tail=tail)
+    def read_logs(self, source: logs.LogSource, *, tail: int | None = None, raw: bool = False) -> str:
+        return logs.read(self.backend, source, tail=tail, raw=raw)
 
     def follow_logs(
-        self, source: logs.LogSource, *, tail: int | None = None, poll_s: float = 1.0
+        self, source: logs.LogSource, *, tail: int | None = None, poll_s: float = 1.0, raw: bool = False
     ) -> Iterator[str]:
-        return logs.follow(self.backend, source, tail=tail, poll_s=poll_s)
+        return logs.follow(self.backend, source, tail=tail, poll_s=poll_s, raw=raw)
 
     def _apply_queue(self, spec: JobSpec) -> JobSpec:
         queue = self.settings.queues.of(spec.queue)

@@ -8,10 +8,15 @@ after a recovery, or preempted and admitted again) is found on the cluster by it
 
 Following a log polls Ray's job log (Ray returns it whole) and sends what is new, until the Ray job
 ends: the status is read before the log, so the last read after a final status holds everything.
+
+Terminal escape sequences (colours, cursor moves: Ray's and the libraries' progress output) are
+stripped unless `raw`: a web page and a file show them as garbage. A sequence that a followed chunk
+cuts in two is held back until the rest arrives (`AnsiStripper`).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +27,36 @@ from service.store import repository
 from service.store.db import Database
 
 LIVE_STATUSES = (RayJobStatus.PENDING, RayJobStatus.RUNNING)
+
+# ECMA-48 escape sequences: CSI (ESC [ parameters, intermediates, a final byte), OSC (ESC ] ... ended by
+# BEL or ESC \\), character set choices (ESC, intermediates in space-/, a final byte: ESC ( B), and the
+# two-byte ones (ESC and one byte in @-Z, \\, ^, _).
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[ -/]+[0-~]|[@-Z\\^_])")
+# The start of a sequence that the text ends in the middle of.
+_ANSI_CUT = re.compile(r"\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b]*\x1b?|[ -/]*)?$")
+
+
+def strip_ansi(text: str) -> str:
+    """`text` without its terminal escape sequences."""
+    return _ANSI.sub("", text)
+
+
+class AnsiStripper:
+    """`strip_ansi` for a text that arrives in chunks: a sequence cut at a chunk's end waits for the next."""
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def feed(self, chunk: str) -> str:
+        text = self._held + chunk
+        cut = _ANSI_CUT.search(text)
+        self._held = text[cut.start() :] if cut is not None else ""
+        return strip_ansi(text[: cut.start()] if cut is not None else text)
+
+    def flush(self) -> str:
+        """What is held back at the end (an unfinished sequence: dropped)."""
+        self._held = ""
+        return ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,23 +92,31 @@ def find_source(db: Database, backend: ClusterBackend, job_id: int, *, attempt: 
     return LogSource(job_id=job_id, attempt=attempt, submission_id=found[-1])
 
 
-def read(backend: ClusterBackend, source: LogSource, *, tail: int | None = None) -> str:
-    """The whole log of `source` so far (its last `tail` lines if given)."""
+def read(backend: ClusterBackend, source: LogSource, *, tail: int | None = None, raw: bool = False) -> str:
+    """The whole log of `source` so far (its last `tail` lines if given); escape sequences stripped
+    unless `raw`."""
     if backend.job_info(source.submission_id).status is RayJobStatus.MISSING:
         raise LogsNotFound(
             f"Ray does not know attempt {source.attempt} of job {source.job_id} (yet, or any more): no logs"
         )
-    return last_lines(backend.job_logs(source.submission_id), tail)
+    text = last_lines(backend.job_logs(source.submission_id), tail)
+    return text if raw else strip_ansi(text)
 
 
 def follow(
-    backend: ClusterBackend, source: LogSource, *, tail: int | None = None, poll_s: float = 1.0
+    backend: ClusterBackend,
+    source: LogSource,
+    *,
+    tail: int | None = None,
+    poll_s: float = 1.0,
+    raw: bool = False,
 ) -> Iterator[str]:
     """The log as it grows, in chunks (the first: the log so far, or its last `tail` lines), until
     the Ray job ends. Check `read()` first: this generator cannot raise an HTTP error once started,
     so a cluster lost mid-way ends it with a line that says so."""
     sent = 0
     first = True
+    stripper = None if raw else AnsiStripper()
     while True:
         try:
             status = backend.job_info(source.submission_id).status
@@ -85,6 +128,8 @@ def follow(
             sent = 0
         chunk = last_lines(text, tail) if first else text[sent:]
         first, sent = False, len(text)
+        if stripper is not None:
+            chunk = stripper.feed(chunk)
         if chunk:
             yield chunk
         if status not in LIVE_STATUSES:

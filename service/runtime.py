@@ -74,6 +74,7 @@ class Runtime:
             self.db.require_head()
         backend = self._backend = CurrentBackend(self._given_backend or self._connect_ray())
         self._auth = Auth(db=self.db, settings=self.settings)
+        self._auth.fail_closed(host=self.settings.host)
         self._jobs = JobService(db=self.db, backend=backend, settings=self.settings, metrics=self.metrics)
         self._scheduler = Scheduler(db=self.db, backend=backend, settings=self.settings, metrics=self.metrics)
         self.metrics.watch_database(self._jobs.gauges)

@@ -45,9 +45,10 @@ def list_tokens(auth: AuthDep, user: CurrentUser) -> TokensPublic:
 @router.delete(
     "/admin/tokens/{token_id}",
     response_model=TokenPublic,
-    responses={**ADMIN_RESPONSES, **error_responses(404, 422)},
+    responses={**ADMIN_RESPONSES, **error_responses(404, 409, 422)},
 )
 def revoke_token(token_id: TokenId, auth: AuthDep, user: CurrentUser) -> TokenPublic:
-    """Revoke a token: it stops working at once (revoking twice is no error)."""
+    """Revoke a token: it stops working at once (revoking twice is no error). The last active admin
+    token cannot be revoked (409): auth stays required whatever is revoked."""
     access.require_admin(user, action="revoke API tokens")
     return TokenPublic.build(auth.revoke_token(token_id))

@@ -36,6 +36,9 @@ def job_logs(
     follow: Annotated[
         bool, Query(description="Stream the log as it grows (text/plain) until the Ray job ends.")
     ] = False,
+    raw: Annotated[
+        bool, Query(description="Keep terminal escape sequences (colours); by default they are stripped.")
+    ] = False,
 ) -> Response:
     """The output of the job's Ray job: the driver's lines and every rank's (Ray prefixes those with
     the worker's pid and address). A job resubmitted after a recovery or a preemption has one log
@@ -43,10 +46,10 @@ def job_logs(
     source = jobs.log_source(job_id, attempt=attempt)
     headers = {"X-Apiary-Attempt": str(source.attempt)}
     if not follow:
-        return PlainTextResponse(jobs.read_logs(source, tail=tail), headers=headers)
+        return PlainTextResponse(jobs.read_logs(source, tail=tail, raw=raw), headers=headers)
     jobs.read_logs(source, tail=0)  # a 404 while one can still be sent, not a broken stream
     return StreamingResponse(
-        jobs.follow_logs(source, tail=tail, poll_s=FOLLOW_POLL_S),
+        jobs.follow_logs(source, tail=tail, poll_s=FOLLOW_POLL_S, raw=raw),
         media_type="text/plain; charset=utf-8",
         headers=headers,
     )

@@ -15,6 +15,7 @@ queue page reads one page of each list through the service's paginated calls, ne
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,9 +35,10 @@ from starlette.types import Scope
 
 from api.deps import BEARER, COOKIE, TOKEN_COOKIE, AuthDep, JobsDep, get_current_user
 from api.limits import JobId
-from api.schemas import CheckpointPublic, EventPublic, JobPublic
+from api.routes.compare import JOB_LIST_PATTERN, parse_job_list
+from api.schemas import CheckpointPublic, ComparePublic, EventPublic, JobPublic
 from service.auth import Auth, User
-from service.contract.errors import Unauthenticated
+from service.contract.errors import InvalidSpec, Unauthenticated
 from service.contract.spec import MAX_INT
 from service.contract.states import ACTIVE_STATES, JobState
 from service.jobs import QueueView
@@ -270,6 +272,29 @@ def job_page(
     }
     name = "job_live.html" if part else "job.html"
     return templates.TemplateResponse(request, name, context)
+
+
+# The colours of the charts' series (api/web/static/apiary.js COLORS), for the compare page's legend.
+COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be185d", "#4d7c0f")
+
+
+@router.get("/compare", response_class=HTMLResponse)
+def compare_page(
+    request: Request, jobs: JobsDep, user: PageUser, ids: Annotated[str, Query(alias="jobs")]
+) -> HTMLResponse:
+    """Jobs side by side (`service.compare`): final and best metrics, spec differences, and their
+    curves overlaid (drawn by the script from each job's metrics)."""
+    if not re.fullmatch(JOB_LIST_PATTERN, ids):
+        raise InvalidSpec("jobs: comma-separated job ids, e.g. 12,13", field="jobs")
+    found = ComparePublic.build(jobs.compare(parse_job_list(ids)))
+    context = {
+        "runs": found.jobs,
+        "metrics": sorted({name for run in found.jobs for name in run.final}),
+        "spec_diff": found.spec_diff,
+        "colors": COLORS,
+        "user": user,
+    }
+    return templates.TemplateResponse(request, "compare.html", context)
 
 
 def install(app: FastAPI) -> None:

@@ -72,6 +72,10 @@ class TokenNotFound(ApiaryError):
     """No API token has this id."""
 
 
+class LastAdminToken(ApiaryError):
+    """This is the last active admin token: create another admin token before revoking it."""
+
+
 class IdempotencyKeyReused(ApiaryError):
     """This Idempotency-Key was already used for a different request: use a new key for a new job."""
 

@@ -248,6 +248,18 @@ class IdempotencyKey(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
 
 
+class AuthState(Base):
+    """Whether every request needs an API token (service.auth): one row (id 1, written by the migration),
+    set once and never unset by the service, so that revoking tokens cannot open a server again."""
+
+    __tablename__ = "auth_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    required: Mapped[bool] = mapped_column(Boolean, default=False)
+    required_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    reason: Mapped[str | None] = mapped_column(Text)  # what made it required first
+
+
 class ApiToken(Base):
     """An API token (service.auth): only the SHA-256 of its secret is stored, never the secret."""
 

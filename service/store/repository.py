@@ -14,12 +14,13 @@ from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
-from service.contract.errors import InvalidTransition, JobNotFound, TokenNotFound
+from service.contract.errors import InvalidTransition, JobNotFound, LastAdminToken, TokenNotFound
 from service.contract.protocol import MetricPoint, RankStatus
 from service.contract.spec import MAX_INT, JobSpec
 from service.contract.states import ACTIVE_STATES, JobState, StopReason, can_transition
 from service.store.models import (
     ApiToken,
+    AuthState,
     Checkpoint,
     CheckpointState,
     CodePackage,
@@ -799,10 +800,28 @@ def _aware(value: datetime) -> datetime:
 # -- API tokens (service.auth): only hashes are stored -------------------------------------------------
 
 
+def auth_required(session: Session) -> bool:
+    return bool(session.scalar(select(AuthState.required).where(AuthState.id == 1)))
+
+
+def require_auth(session: Session, *, reason: str) -> None:
+    """From now on every request needs a token (service.auth); nothing in the service unsets it."""
+    state = session.get(AuthState, 1, with_for_update=True)
+    if state is None:  # a database made without the migrations' row
+        state = AuthState(id=1, required=False)
+        session.add(state)
+    if not state.required:
+        state.required, state.required_since, state.reason = True, utcnow(), reason
+        logger.warning(
+            "authentication is required from now on (%s)", reason, extra={"action": "auth_required"}
+        )
+
+
 def add_token(session: Session, *, user_name: str, admin: bool, token_hash: str) -> ApiToken:
     token = ApiToken(user_name=user_name, admin=admin, token_hash=token_hash)
     session.add(token)
     session.flush()
+    require_auth(session, reason="an API token was created")
     logger.info(
         "API token created",
         extra={"action": "token_created", "token": {"id": token.id, "user": user_name, "admin": admin}},
@@ -816,10 +835,6 @@ def find_active_token(session: Session, *, token_hash: str) -> ApiToken | None:
     ).one_or_none()
 
 
-def any_active_token(session: Session) -> bool:
-    return session.scalar(select(ApiToken.id).where(ApiToken.revoked_at.is_(None)).limit(1)) is not None
-
-
 def list_tokens(session: Session) -> list[ApiToken]:
     return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
 
@@ -828,6 +843,16 @@ def revoke_token(session: Session, token_id: int) -> ApiToken:
     token = session.get(ApiToken, token_id)
     if token is None:
         raise TokenNotFound(f"API token {token_id} does not exist")
+    if token.revoked_at is None and token.admin:
+        # Locked: two admins revoking each other at once must not both succeed.
+        admins = session.scalars(
+            select(ApiToken.id).where(ApiToken.admin, ApiToken.revoked_at.is_(None)).with_for_update()
+        ).all()
+        if list(admins) == [token.id]:
+            raise LastAdminToken(
+                f"API token {token_id} is the last active admin token: create another admin token "
+                "first (`apiary token create NAME --admin`); auth stays required either way"
+            )
     if token.revoked_at is None:
         token.revoked_at = utcnow()
         logger.info(

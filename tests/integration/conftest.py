@@ -21,6 +21,7 @@ from service.contract.handoff import job_prefix
 from service.runtime import Runtime
 from service.settings import Settings
 from tests.support.fakes import FakeBackend
+from tests.support.jobs import classification_job
 
 
 class Service:
@@ -108,12 +109,13 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
         if nodes is not None:
             backend.nodes = nodes
         runtime = Runtime(config, backend=backend, run_scheduler=run_scheduler)
+        # Bound where `host` says (0.0.0.0 in the fail-closed test), reached on 127.0.0.1 only.
         server = BackgroundServer(
-            create_app(runtime=runtime), host="127.0.0.1", port=port, log_level=log_level
+            create_app(runtime=runtime), host=config.host, port=port, log_level=log_level
         )
         server.start()
         servers.append(server)
-        http = httpx.Client(base_url=server.url, timeout=10)
+        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
         return Service(http=http, runtime=runtime, backend=backend)
 
     yield start
@@ -124,3 +126,11 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
 @pytest.fixture
 def service(start_service: Callable[..., Service]) -> Service:
     return start_service()
+
+
+@pytest.fixture
+def spec(request: pytest.FixtureRequest, classification_dataset: str) -> dict[str, Any]:
+    """The job a test submits: `tests.support.jobs.classification_job` on a fresh dataset, with the
+    test module's `SPEC_FIELDS` (a dict of the fields it changes; its `name` at least)."""
+    fields = dict(getattr(request.module, "SPEC_FIELDS", {"name": "job"}))
+    return classification_job(classification_dataset, **fields)

@@ -18,18 +18,12 @@ from service.contract.errors import DatasetError, InvalidSpec
 from service.contract.spec import DataFormat
 from tests.integration.conftest import Service
 
-
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return {
-        "name": "allowlist-test",
-        "trainer": "mlp",
-        "num_workers": 1,
-        "dataset": {"uri": classification_dataset},
-        "max_steps": 10,
-        "batch_size": 8,
-        "config": {"task": "classification", "num_classes": 3},
-    }
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "allowlist-test",
+    "max_steps": 10,
+}
 
 
 def refused(service: Service, spec: dict[str, Any], field: str) -> str:

@@ -18,10 +18,10 @@ from typer.testing import CliRunner
 
 from api.app import create_app
 from api.cli import app as cli
+from service.auth import Auth
 from service.cluster import RayJobStatus
 from service.settings import Settings
 from tests.integration.conftest import Service
-from tests.support.jobs import classification_job
 
 # No user needed: what monitoring reads (the health check, Prometheus' aggregate metrics) and the
 # trainers' telemetry (not a user's route).
@@ -33,9 +33,11 @@ PUBLIC = {
 }
 
 
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return classification_job(classification_dataset, name="auth-test")
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "auth-test",
+}
 
 
 class People:
@@ -222,6 +224,50 @@ def test_auth_can_be_required_before_any_token_exists(start_service: Callable[..
     assert service.as_user(service.token("root", admin=True)).get("/jobs").status_code == 200
 
 
+def test_auth_fails_closed_on_a_public_address(start_service: Callable[..., Service]) -> None:
+    # Bound to every interface (the test's own traffic goes to 127.0.0.1 only), with no token yet: the
+    # service requires one anyway, and nothing an admin revokes opens it again.
+    service = start_service(host="0.0.0.0")
+    assert service.http.get("/me").status_code == 401
+    root = service.as_user(service.token("root", admin=True))
+    second = root.post("/admin/tokens", json={"user": "eve", "admin": True}).json()
+    root.post("/admin/tokens", json={"user": "ada"})
+    tokens = root.get("/admin/tokens").json()["data"]
+    assert [token["id"] for token in tokens] == [1, second["id"], second["id"] + 1]
+    for token in reversed(tokens):  # root's own last
+        response = root.delete(f"/admin/tokens/{token['id']}")
+        if token["id"] == 1:
+            assert response.status_code == 409, response.text
+            assert "last active admin token" in response.json()["message"]
+        else:
+            assert response.status_code == 200, response.text
+    assert root.get("/me").json() == {"user": "root", "admin": True}
+    for method, path in (("GET", "/me"), ("GET", "/jobs"), ("POST", "/admin/tokens")):
+        anonymous = service.http.request(method, path, json={"user": "mallory", "admin": True})
+        assert anonymous.status_code == 401, (method, path, anonymous.text)
+
+
+def test_auth_stays_required_once_a_token_ever_existed(start_service: Callable[..., Service]) -> None:
+    service = start_service()  # on 127.0.0.1
+    assert service.http.get("/me").json() == {"user": "ada", "admin": True}
+    user_token = service.runtime.auth.create_token(user="bob")
+    service.runtime.auth.revoke_token(user_token.token.id)  # no unrevoked token is left
+    assert service.http.get("/me").status_code == 401
+    assert service.http.post("/admin/tokens", json={"user": "mallory", "admin": True}).status_code == 401
+    # Persisted in the database, not inferred per request: a new service on it says the same.
+    assert Auth(db=service.runtime.db, settings=service.runtime.settings).required()
+
+
+def test_revoking_the_last_admin_token_on_the_database_is_refused(
+    start_service: Callable[..., Service], database_url: str, tmp_path: Path
+) -> None:
+    env = {"APIARY_DATABASE_URL": database_url, "APIARY_DATA_DIR": str(tmp_path / "data")}
+    start_service()  # migrates the database
+    assert CliRunner().invoke(cli, ["token", "create", "root", "--admin"], env=env).exit_code == 0
+    refused = CliRunner().invoke(cli, ["token", "revoke", "1"], env=env)
+    assert refused.exit_code == 2 and "last active admin token" in refused.output, refused.output
+
+
 def test_the_web_view_logs_in_with_a_token_in_an_httponly_cookie(
     service: Service, people: People, spec: dict[str, Any]
 ) -> None:
@@ -278,7 +324,8 @@ def test_apiary_token_create_list_and_revoke_on_the_database(
     bad = CliRunner().invoke(cli, ["token", "create", "not a name"], env=env)
     assert bad.exit_code == 2 and "user name" in bad.output
     assert CliRunner().invoke(cli, ["token", "revoke", "7"], env=env).exit_code == 2
-    revoked = CliRunner().invoke(cli, ["token", "revoke", "1"], env=env)
+    assert CliRunner().invoke(cli, ["token", "create", "eve", "--admin"], env=env).exit_code == 0
+    revoked = CliRunner().invoke(cli, ["token", "revoke", "1"], env=env)  # not the last admin's now
     assert revoked.exit_code == 0, revoked.output
     assert root.get("/me").status_code == 401
 

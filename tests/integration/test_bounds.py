@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
-import pytest
 from sqlalchemy import text
 
 from api.limits import MAX_BODY_BYTES
@@ -18,12 +17,12 @@ from service.contract.spec import MAX_CONFIG_BYTES, MAX_INT
 from tests.integration.conftest import Service
 from tests.integration.test_recovery import post
 from tests.integration.test_scheduler import run_to_running
-from tests.support.jobs import classification_job
 
-
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return classification_job(classification_dataset, name="mlp-test")
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "mlp-test",
+}
 
 
 def refused(response: httpx.Response, field: str) -> None:

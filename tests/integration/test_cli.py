@@ -17,7 +17,6 @@ from api.cli import app
 from service.cluster import RayJobStatus, free_port
 from tests.conftest import MigratedTemplates, migrated_sqlite
 from tests.integration.conftest import Service
-from tests.support.jobs import classification_job
 from tests.support.wait import wait_until
 
 
@@ -27,9 +26,11 @@ def database_url(tmp_path: Path, migrated_templates: MigratedTemplates) -> str:
     return migrated_sqlite(tmp_path, migrated_templates)
 
 
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return classification_job(classification_dataset, name="cli-test")
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "cli-test",
+}
 
 
 @pytest.fixture
@@ -215,6 +216,10 @@ def test_submit_watch_and_logs(apiary: Any, spec_file: Path, service: Service) -
     assert apiary("logs", "1", "-f").stdout == logs.stdout  # the Ray job has ended: so does -f
     assert json.loads(apiary("logs", "1", "--json").stdout)["text"] == logs.stdout
     assert apiary("logs", "1", "--attempt", "2").exit_code == 1
+
+    service.backend.logs[service.backend.submission_of(1)] = "\x1b[1mbold\x1b[0m line\n"
+    assert apiary("logs", "1").stdout == "bold line\n"
+    assert apiary("logs", "1", "--raw").stdout == "\x1b[1mbold\x1b[0m line\n"
 
 
 def test_the_config_file_gives_the_url_and_the_token(apiary: Any, service: Service, tmp_path: Path) -> None:

@@ -27,7 +27,6 @@ from service.cluster import RayJobStatus, free_port
 from service.contract.spec import JobSpec
 from tests.conftest import MigratedTemplates, migrated_sqlite
 from tests.integration.conftest import Service
-from tests.support.jobs import classification_job
 
 
 @pytest.fixture
@@ -36,9 +35,11 @@ def database_url(tmp_path: Path, migrated_templates: MigratedTemplates) -> str:
     return migrated_sqlite(tmp_path, migrated_templates)
 
 
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return classification_job(classification_dataset, name="sdk-test")
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "sdk-test",
+}
 
 
 @pytest.fixture

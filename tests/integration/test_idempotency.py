@@ -17,12 +17,12 @@ from sqlalchemy import func, select, update
 from service.jobs import JobService
 from service.store.models import IdempotencyKey, Job, utcnow
 from tests.integration.conftest import Service
-from tests.support.jobs import classification_job
 
-
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return classification_job(classification_dataset, name="once")
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "once",
+}
 
 
 def post(

@@ -7,16 +7,15 @@ import threading
 import time
 from typing import Any
 
-import pytest
-
 from service.cluster import RayJobStatus
 from tests.integration.conftest import Service
-from tests.support.jobs import classification_job
 
-
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return classification_job(classification_dataset, name="logs-test", num_workers=2)
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "logs-test",
+    "num_workers": 2,
+}
 
 
 def start(service: Service, spec: dict[str, Any]) -> tuple[int, str]:
@@ -109,3 +108,15 @@ def test_follow_streams_new_lines_until_the_ray_job_ends(service: Service, spec:
     assert "".join(chunks) == "old 2\nstep 1\nstep 2\nstep 3\n"
     assert len(chunks) >= 2  # it arrived as it was written, not at the end in one piece
     assert time.monotonic() - started < 10
+
+
+def test_terminal_escapes_are_stripped_unless_raw(service: Service, spec: dict[str, Any]) -> None:
+    job_id, submission_id = start(service, spec)
+    service.backend.logs[submission_id] = "\x1b[36m(RayTrainWorker pid=7)\x1b[0m step 1\n"
+
+    assert service.http.get(f"/jobs/{job_id}/logs").text == "(RayTrainWorker pid=7) step 1\n"
+    raw = service.http.get(f"/jobs/{job_id}/logs", params={"raw": "true"}).text
+    assert raw == service.backend.logs[submission_id]
+    service.backend.statuses[submission_id] = RayJobStatus.SUCCEEDED
+    followed = service.http.get(f"/jobs/{job_id}/logs", params={"follow": "true"}).text
+    assert followed == "(RayTrainWorker pid=7) step 1\n"

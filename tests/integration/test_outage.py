@@ -23,7 +23,6 @@ from service.runtime import Runtime
 from service.settings import Settings
 from service.store.db import Database
 from tests.support.fakes import FakeBackend
-from tests.support.jobs import classification_job
 from tests.support.proxy import TcpProxy
 from tests.support.wait import wait_until
 
@@ -37,9 +36,11 @@ def proxied(postgres_url: str) -> Iterator[tuple[str, TcpProxy]]:
     proxy.close()
 
 
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return classification_job(classification_dataset, name="outage")
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "outage",
+}
 
 
 def test_requests_get_503_while_the_database_is_away_and_nothing_is_lost(

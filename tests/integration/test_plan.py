@@ -15,19 +15,14 @@ from api.client import ApiaryClient
 from service.store.models import Job, utcnow
 from tests.integration.conftest import Service
 
-
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return {
-        "name": "plan-test",
-        "trainer": "mlp",
-        "num_workers": 2,
-        "dataset": {"uri": classification_dataset},
-        "max_steps": 1000,
-        "batch_size": 8,
-        "checkpoint": {"every_steps": 100},
-        "config": {"task": "classification", "num_classes": 3},
-    }
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "plan-test",
+    "num_workers": 2,
+    "max_steps": 1000,
+    "checkpoint": {"every_steps": 100},
+}
 
 
 def _set(service: Service, job_id: int, **values: Any) -> None:

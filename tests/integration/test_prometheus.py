@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.cluster import RayJobStatus
@@ -18,18 +17,14 @@ from tests.integration.test_scheduler import EVEN, run_to_running
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return {
-        "name": "job",
-        "trainer": "mlp",
-        "num_workers": 2,
-        "dataset": {"uri": classification_dataset},
-        "max_steps": 100,
-        "batch_size": 8,
-        "max_failures": 2,
-        "config": {"task": "classification", "num_classes": 3},
-    }
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "job",
+    "num_workers": 2,
+    "max_steps": 100,
+    "max_failures": 2,
+}
 
 
 def scrape(service: Service) -> Samples:

@@ -8,27 +8,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import pytest
-
 from service.cluster import RayJobStatus
 from service.contract.protocol import error_line
 from service.store import repository
 from tests.integration.conftest import Service
 from tests.integration.test_scheduler import run_to_running
 
-
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return {
-        "name": "job",
-        "trainer": "mlp",
-        "num_workers": 1,
-        "dataset": {"uri": classification_dataset},
-        "max_steps": 100,
-        "batch_size": 8,
-        "max_failures": 2,
-        "config": {"task": "classification", "num_classes": 3},
-    }
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "job",
+    "max_steps": 100,
+    "max_failures": 2,
+}
 
 
 def post(service: Service, job_id: int, batch: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,6 @@ import json
 from typing import Any
 
 import httpx
-import pytest
 from sqlalchemy import select
 
 from service.cluster import RayJobStatus
@@ -18,19 +17,12 @@ from service.contract.protocol import LAUNCH_ENV_VAR
 from service.store.models import Job
 from tests.integration.conftest import Service
 
-
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return {
-        "name": "token-test",
-        "trainer": "mlp",
-        "num_workers": 1,
-        "dataset": {"uri": classification_dataset},
-        "max_steps": 20,
-        "batch_size": 8,
-        "max_failures": 2,
-        "config": {"task": "classification", "num_classes": 3},
-    }
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "token-test",
+    "max_failures": 2,
+}
 
 
 def running_job(service: Service, spec: dict[str, Any]) -> tuple[int, str, str]:

@@ -9,8 +9,6 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import pytest
-
 from service.cluster import RayJobStatus
 from service.contract.protocol import code_modules
 from service.scheduling.scheduler import Scheduler
@@ -25,17 +23,12 @@ EVEN = {
 }
 
 
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return {
-        "name": "job",
-        "trainer": "mlp",
-        "num_workers": 1,  # + 1 data CPU: 2 CPU a job
-        "dataset": {"uri": classification_dataset},
-        "max_steps": 100,
-        "batch_size": 8,
-        "config": {"task": "classification", "num_classes": 3},
-    }
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "job",
+    "max_steps": 100,  # one worker + 1 data CPU: 2 CPU a job
+}
 
 
 def run_to_running(service: Service, job_ids: list[int]) -> None:

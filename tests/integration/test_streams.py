@@ -18,14 +18,16 @@ from api.routes import streams
 from service.cluster import free_port
 from service.contract.protocol import MAX_POINTS_PER_POST
 from tests.integration.conftest import Service
-from tests.support.jobs import classification_job
 from tests.support.sse import SseReader
 from tests.support.wait import wait_until
 
-
-@pytest.fixture
-def spec(classification_dataset: str) -> dict[str, Any]:
-    return classification_job(classification_dataset, name="stream-test", num_workers=2, max_steps=1000)
+# The fields of this module's `spec` (tests/integration/conftest.py) that differ from
+# tests.support.jobs.classification_job.
+SPEC_FIELDS = {
+    "name": "stream-test",
+    "num_workers": 2,
+    "max_steps": 1000,
+}
 
 
 def post_points(service: Service, job_id: int, steps: range, *, attempt: int = 1, segment: int = 0) -> None:

@@ -1,4 +1,9 @@
-"""A cluster backend for tests where Ray is not under test. Same interface as `RayBackend`."""
+"""The one fake cluster: a backend for tests and benchmarks where Ray is not under test. Same
+interface as `RayBackend`.
+
+Tests drive each submission's status themselves (it starts PENDING) and read what was submitted (the
+launch request, its report token, its environment). Benchmarks take `FakeBackend.running(...)`: every
+job submitted is RUNNING at once, until stopped, and nothing is read back from the handoff."""
 
 from __future__ import annotations
 
@@ -30,6 +35,18 @@ class FakeBackend:
     # A real cluster to read capacity from (instead of `nodes`), where capacity is under test and
     # running the jobs is not.
     capacity: ClusterBackend | None = None
+    # Benchmarks: a submission is RUNNING at once and its handoff is not read; an unknown one is `unknown`.
+    run_at_once: bool = False
+    unknown: RayJobStatus = RayJobStatus.MISSING
+
+    @classmethod
+    def running(cls, *, nodes: int = 1, node: dict[str, float] | None = None) -> FakeBackend:
+        """`nodes` alike nodes (default 4 CPUs each), where every job runs from its submission on."""
+        return cls(
+            nodes=[dict(node or {"CPU": 4.0}) for _ in range(nodes)],
+            run_at_once=True,
+            unknown=RayJobStatus.RUNNING,
+        )
 
     def snapshot(self) -> ClusterSnapshot:
         if not self.available:
@@ -49,6 +66,9 @@ class FakeBackend:
         py_modules: list[str] | None = None,
         working_dir: str | None = None,
     ) -> None:
+        if self.run_at_once:
+            self.statuses[submission_id] = RayJobStatus.RUNNING
+            return
         assert entrypoint.endswith(f"-m {LAUNCH_MODULE}")
         pointer = LaunchPointer.model_validate(json.loads(env_vars[LAUNCH_ENV_VAR]))
         self.submitted.append((submission_id, read_launch(pointer)))
@@ -58,7 +78,7 @@ class FakeBackend:
         self.statuses[submission_id] = RayJobStatus.PENDING
 
     def job_info(self, submission_id: str) -> RayJobInfo:
-        return RayJobInfo(status=self.statuses.get(submission_id, RayJobStatus.MISSING))
+        return RayJobInfo(status=self.statuses.get(submission_id, self.unknown))
 
     def job_logs(self, submission_id: str) -> str:
         return self.logs.get(submission_id, "")

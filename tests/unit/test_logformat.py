@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 from api.logformat import JsonFormatter
@@ -43,3 +45,24 @@ def test_each_record_is_one_json_object_with_its_extra_fields() -> None:
     assert newline["message"] == "path\nwith a newline" and newline["where"] == "/tmp/x"
     assert failed["level"] == "ERROR"
     assert "ValueError: boom" in failed["exc_info"] and "Traceback" in failed["exc_info"]
+
+
+def test_rays_lines_go_through_apiarys_handler_at_warning_unless_verbose() -> None:
+    """Ray's client logs "Uploading package ..." at INFO through a handler of its own; `apiary serve`
+    and `apiary demo` route it through theirs, at WARNING unless -v (a fresh process: Ray's logger
+    is global)."""
+    script = """
+import logging, sys
+from api.logformat import configure_logging, route_ray_logs
+configure_logging("json")
+route_ray_logs(verbose=sys.argv[1] == "1")
+sdk = logging.getLogger("ray.dashboard.modules.dashboard_sdk")
+sdk.info("Uploading package gcs://x.zip.")
+sdk.warning("a warning")
+"""
+    for verbose, expected in (("0", ["a warning"]), ("1", ["Uploading package gcs://x.zip.", "a warning"])):
+        done = subprocess.run(
+            [sys.executable, "-c", script, verbose], capture_output=True, text=True, timeout=120, check=True
+        )
+        lines = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+        assert [line["message"] for line in lines] == expected, done.stderr

@@ -44,6 +44,7 @@
 
   // -- the queue page ----------------------------------------------------------------------------
   function queuePage() {
+    const syncPicks = comparePicker();
     const sparks = new Map(); // job id -> {at, losses}
     async function drawSparklines() {
       for (const canvas of document.querySelectorAll("canvas.sparkline")) {
@@ -83,10 +84,10 @@
     let first = true;
     stream.addEventListener("queues", () => {
       if (first) { first = false; return; } // the page was just rendered from the same state
-      swapLive(drawSparklines);
+      swapLive(() => { syncPicks(); drawSparklines(); });
     });
     // Running jobs' progress does not change the queues: it is refreshed on a timer.
-    setInterval(() => swapLive(drawSparklines), 5000);
+    setInterval(() => swapLive(() => { syncPicks(); drawSparklines(); }), 5000);
     drawSparklines();
   }
 
@@ -263,6 +264,64 @@
     start();
   }
 
+  // -- the compare page: each job's rank-0 curve, overlaid -----------------------------------------
+  function comparePage() {
+    const ids = document.body.dataset.jobs.split(",");
+    async function start() {
+      const runs = await Promise.all(ids.map(async (id) => {
+        try {
+          const response = await fetch(`/jobs/${id}/metrics?rank=0&points=1000&limit=100000`);
+          return response.ok ? (await response.json()).data : [];
+        } catch (err) { return []; }
+      }));
+      for (const element of document.querySelectorAll(".chart[data-metric]")) {
+        const key = element.dataset.metric;
+        const tables = runs.map((points) => {
+          const kept = points.filter((p) => key in p.values).sort((a, b) => a.step - b.step);
+          return [kept.map((p) => p.step), kept.map((p) => p.values[key])];
+        });
+        const drawn = tables.filter((table) => table[0].length).length;
+        element.dataset.series = String(drawn);
+        if (!drawn) { element.closest("div").hidden = true; continue; }
+        const data = uPlot.join(tables.map((table) => (table[0].length ? table : [[0], [null]])));
+        const options = {
+          width: Math.max(300, element.clientWidth || 600),
+          height: 240,
+          scales: { x: { time: false } },
+          axes: [{ label: "step" }, {}],
+          series: [{ label: "step" }, ...ids.map((id, i) => ({
+            label: `job ${id}`, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true, points: { show: false },
+          }))],
+        };
+        new uPlot(options, data, element);
+      }
+      setLive(false);
+    }
+    start();
+  }
+
+  // Rows of the queue page picked for comparison: kept across the live part's re-renderings.
+  function comparePicker() {
+    const picked = new Set();
+    const button = document.getElementById("compare-picked");
+    function sync() {
+      for (const box of document.querySelectorAll("input.pick")) box.checked = picked.has(box.value);
+      button.disabled = picked.size < 2;
+      button.textContent = picked.size ? `Compare ${picked.size} jobs` : "Compare";
+    }
+    document.addEventListener("change", (change) => {
+      const box = change.target.closest("input.pick");
+      if (!box) return;
+      if (box.checked) picked.add(box.value); else picked.delete(box.value);
+      sync();
+    });
+    button.addEventListener("click", () => {
+      location.href = `/compare?jobs=${[...picked].join(",")}`;
+    });
+    return sync;
+  }
+
   if (page === "queues") queuePage();
   else if (page === "job") jobPage();
+  else if (page === "compare") comparePage();
 })();
