@@ -43,6 +43,7 @@ NO_NUL = r"^[^\x00]*$"
 # Matched whole (`fullmatch`); the same patterns are in the OpenAPI schema, so that a client generating
 # specs from it and the server agree.
 _IMPORT_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+_CODE_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _RESOURCE = re.compile(r"[A-Za-z_][A-Za-z0-9_:.-]{0,63}")
 MAX_TRAINER_CHARS = 256
@@ -360,6 +361,13 @@ class JobSpec(Strict):
         description="'mlp', 'gpt', or an importable 'package.module:function'.",
         json_schema_extra={"pattern": f"^({'|'.join(BUILTIN_TRAINERS)}|{_IMPORT_PATH.pattern})$"},
     )
+    code: str | None = Field(
+        default=None,
+        description="The job's own code: the sha256 of a package its owner uploaded (`apiary submit --code "
+        "DIR` packs and uploads DIR and sets this). It is every worker's Ray working_dir, first on the "
+        "path: `trainer` may name a module in it.",
+        json_schema_extra={"pattern": f"^{_CODE_DIGEST.pattern}$"},
+    )
     num_workers: Int | ElasticWorkers = Field(
         description="Workers of the group: a number, or {min, max} for elastic training (see ElasticWorkers)."
     )
@@ -443,6 +451,15 @@ class JobSpec(Strict):
                 "({dataset: {uri: ...}, every_steps: N})"
             )
         return eval_spec
+
+    @field_validator("code")
+    @classmethod
+    def _code(cls, code: str | None) -> str | None:
+        if code is not None and not _CODE_DIGEST.fullmatch(code):
+            raise ValueError(
+                "must be 'sha256:' and 64 lowercase hex digits (apiary submit --code DIR sets it)"
+            )
+        return code
 
     @field_validator("num_workers", mode="before")
     @classmethod

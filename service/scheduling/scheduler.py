@@ -60,6 +60,7 @@ from service.capacity import (
     gang_for,
 )
 from service.cluster import ClusterBackend, RayJobStatus, stop_job, submission_prefix
+from service.code import CodeStore, sha256_of
 from service.contract.errors import ClusterUnavailable, one_line
 from service.contract.handoff import Handoff, new_token, run_name, token_hash, write_handoff
 from service.contract.protocol import (
@@ -870,12 +871,25 @@ class Scheduler:
             # stores) nor in any log line here.
             **self.settings.job_aws_env(),
         }
+        working_dir = None
+        if launch.request.spec.code is not None:
+            try:
+                working_dir = str(CodeStore.of(self.settings).local_path(sha256_of(launch.request.spec.code)))
+            except OSError as err:
+                logger.warning(
+                    "cannot read the code package of job %s from storage: %s",
+                    job_id,
+                    err,
+                    extra={"action": "code_unavailable", "submission_id": submission_id},
+                )
+                return
         try:
             self.backend.submit(
                 submission_id=submission_id,
                 entrypoint=entrypoint(self.settings.job_python),
                 env_vars=env_vars,
                 py_modules=code_modules() if self.settings.ship_code else None,
+                working_dir=working_dir,
             )
         except Exception as err:
             self._submission_failed(job_id, submission_id, err)
