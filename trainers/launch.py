@@ -295,15 +295,8 @@ def custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
     without importing its module, or ValueError saying why not.
 
     Custom trainers: `trainer: "package.module:function"` names a function that Ray Train runs on
-    every worker in place of `trainers.loop.train_loop_per_worker`. It is called once per worker with
-    the loop config (Ray Train's `train_loop_config`) the built-ins get:
-
-        loop_config["request"]  the LaunchRequest as a JSON-ready dict
-                                (`LaunchRequest.model_validate(loop_config["request"])` gives it
-                                back; the JobSpec, with its free-form `config` dict, is `request.spec`)
-        loop_config["dataset"]  what the driver learned of the dataset (`DatasetInfo.from_dict`)
-        loop_config["handoff"]  the attempt's handoff pointer (`service.contract.handoff.loop_token` reads
-                                its report token from it), or None
+    every worker, as Ray Train runs one: with the spec's `config` if it takes an argument, else with
+    none (`trainers.ray_function`, which also sees its reports).
 
     It reads its shard with `ray.train.get_dataset_shard("train")` and must call
     `ray.train.report` the same number of times on every rank. The function must be importable on
@@ -324,11 +317,14 @@ def custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
     return functools.partial(run_custom_trainer, trainer)
 
 
-def run_custom_trainer(trainer: str, loop_config: dict[str, Any]) -> Any:
-    """On a worker: the start-up marks (what follows is the trainer's own), then the trainer."""
+def run_custom_trainer(trainer: str, loop_config: dict[str, Any]) -> None:
+    """On a worker: the start-up marks (what follows is the trainer's own), then the trainer, as a Ray
+    Train function (`trainers.ray_function`)."""
     startup.mark("loop_entered")
     startup.emit(f"rank {ray.train.get_context().get_world_rank()}")
-    return load_custom_trainer(trainer)(loop_config)
+    from trainers.ray_function import run_ray_function
+
+    run_ray_function(load_custom_trainer(trainer), loop_config)
 
 
 def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
