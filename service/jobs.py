@@ -58,6 +58,7 @@ from service.contract.queues import QueueConfig
 from service.contract.spec import JobSpec, Queue
 from service.contract.states import JobState, StopReason
 from service.contract.storage import node_local
+from service.contract.trainer_kind import TrainerNotDefined, kind_of_trainer, kind_refusal
 from service.observability import Gauges, Metrics, RunningJob
 from service.planning.formulas import Plan
 from service.planning.measured import measured_plan
@@ -89,6 +90,23 @@ class Submission:
 
     job: Job
     replayed: bool
+
+
+def _check_kind(spec: JobSpec) -> None:
+    """Raise `InvalidSpec` naming the first field that the trainer's kind cannot honor, when its kind can
+    be read from its module's source here (`service.contract.trainer_kind`; imports nothing); else the
+    job's driver checks it."""
+    try:
+        kind = kind_of_trainer(spec.trainer)
+    except TrainerNotDefined:
+        module, _, name = spec.trainer.partition(":")
+        raise InvalidSpec(
+            f"trainer {spec.trainer!r}: module {module!r} has no {name!r}", field="trainer"
+        ) from None
+    given = {"checkpoint.async"} if "async_" in spec.checkpoint.model_fields_set else set()
+    refused = kind_refusal(spec, kind, given=given)
+    if refused is not None:
+        raise InvalidSpec(f"{refused.field}: {refused.message}", field=refused.field)
 
 
 def _resumed_from(batch: TelemetryBatch) -> int | None:
@@ -172,13 +190,15 @@ class JobService:
         auth.check_priority(by, spec.priority, ceiling=self.settings.user_max_priority)
         spec = self._apply_queue(spec)
         check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
-        check_dataset(
-            spec.dataset.uri,
-            roots=self.settings.resolved_data_roots,
-            data_format=spec.dataset.format,
-            s3_endpoint_url=self.settings.s3_endpoint_url,
-            timeout_s=self.settings.dataset_check_timeout_s,
-        )
+        _check_kind(spec)
+        if spec.dataset is not None:
+            check_dataset(
+                spec.dataset.uri,
+                roots=self.settings.resolved_data_roots,
+                data_format=spec.dataset.format,
+                s3_endpoint_url=self.settings.s3_endpoint_url,
+                timeout_s=self.settings.dataset_check_timeout_s,
+            )
         self._check_fits(spec)
         try:
             with self.db.session() as session:
@@ -454,7 +474,7 @@ class JobService:
                         queue=job.queue,
                         step=job.latest_step,
                         samples_per_s=spec.batch_size * num_workers / job.seconds_per_step
-                        if job.seconds_per_step
+                        if job.seconds_per_step and spec.batch_size is not None
                         else None,
                     )
                 )
@@ -580,7 +600,12 @@ class JobService:
             # Queue anyway: the scheduler admits it once the cluster is back.
             logger.warning("cannot check capacity at submission: %s", err)
             return
-        if len(cluster.nodes) > 1 and not self.settings.shared_filesystem and node_local(spec.dataset.uri):
+        if (
+            spec.dataset is not None
+            and len(cluster.nodes) > 1
+            and not self.settings.shared_filesystem
+            and node_local(spec.dataset.uri)
+        ):
             raise InvalidSpec(
                 f"dataset {spec.dataset.uri} is a local path and the cluster has {len(cluster.nodes)} "
                 "nodes, which cannot all read it: put it in object storage (s3://...), or set "

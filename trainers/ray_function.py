@@ -66,7 +66,7 @@ from service.contract.protocol import (
     LaunchRequest,
 )
 from service.contract.storage import checkpoint_uri
-from trainers.checkpoint import checkpoint_dir_name
+from trainers.checkpoint import checkpoint_dir_name as dir_name_for
 from trainers.ray_private import intercept_report
 from trainers.telemetry import Telemetry
 
@@ -77,7 +77,7 @@ STEP_METRIC = "step"
 _CHECKPOINT_DIR = re.compile(r"^checkpoint_(\d+)$")
 
 
-class StopRequested(BaseException):  # noqa: N818 - not an error: the job was asked to stop
+class StopRequested(BaseException):
     """The control plane asked the job to stop: raised out of `ray.train.report` on every rank at the
     same report, and caught by `run_ray_function`."""
 
@@ -124,7 +124,9 @@ class Reports:
     def start(self) -> int | None:
         """Join the group (a collective): where the run resumes (the step of `ray.train.get_checkpoint()`;
         None on a fresh run), told to the control plane by rank 0."""
-        self.telemetry.node = f"{ray.util.get_node_ip_address()} ({ray.get_runtime_context().get_node_id()[:8]})"
+        self.telemetry.node = (
+            f"{ray.util.get_node_ip_address()} ({ray.get_runtime_context().get_node_id()[:8]})"
+        )
         # Which start of the worker group this is: rank 0's clock, shared by every rank.
         self.telemetry.segment = ray.train.collective.broadcast_from_rank_zero(time.time_ns() // 1_000_000)
         resumed = ray.train.get_checkpoint()
@@ -159,13 +161,13 @@ class Reports:
         forward: Callable[..., None],
         metrics: dict[str, Any],
         checkpoint: ray.train.Checkpoint | None,
-        checkpoint_dir_name_: str | None,
+        checkpoint_dir_name: str | None,
         options: dict[str, Any],
     ) -> None:
         """`ray.train.report`, with Apiary's bookkeeping after it (see the module docstring)."""
         step = _reported_step(metrics)
         step = self.step + 1 if step is None else step
-        name = checkpoint_dir_name_ or checkpoint_dir_name(step)
+        name = checkpoint_dir_name or dir_name_for(step)
         self.telemetry.progress("sync")
         forward(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, **options)
         self.step = step

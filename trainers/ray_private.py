@@ -69,9 +69,9 @@ __all__ = [
     "TORCH_SHUTDOWN",
     "ApiaryFailurePolicy",
     "ApiaryTrainer",
+    "ReportHook",
     "TrainingFramework",
     "get_address_and_port",
-    "ReportHook",
     "install_failure_policy",
     "intercept_report",
     "is_ray_train_error",
@@ -190,7 +190,11 @@ class _ReportProxy:
         self._hook = hook
 
     def report(
-        self, metrics: dict[str, Any], checkpoint: Any = None, checkpoint_dir_name: str | None = None, **options: Any
+        self,
+        metrics: dict[str, Any],
+        checkpoint: Any = None,
+        checkpoint_dir_name: str | None = None,
+        **options: Any,
     ) -> None:
         # `ray.train.report` passes every argument by keyword (ray/train/v2/api/train_fn_utils.py).
         self._hook(self._original.report, metrics, checkpoint, checkpoint_dir_name, options)
