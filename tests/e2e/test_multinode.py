@@ -200,7 +200,7 @@ def train(config=None):
     endpoint = urlparse(where["endpoint"])
     s3 = pyarrow.fs.S3FileSystem(endpoint_override=endpoint.netloc, scheme=endpoint.scheme)
     seen = {"node": ray.get_runtime_context().get_node_id(), "module": __file__}
-    with s3.open_output_stream(f"{where['out']}/rank-{rank}.json") as out:
+    with s3.open_output_stream(f"{where['out'].removeprefix('s3://')}/rank-{rank}.json") as out:
         out.write(json.dumps(seen).encode())
     ray.train.report({"loss": 0.0})
 """
