@@ -202,6 +202,15 @@ class JobService:
             s3_endpoint_url=self.settings.s3_endpoint_url,
             timeout_s=self.settings.dataset_check_timeout_s,
         )
+        if spec.eval is not None:
+            check_dataset(
+                spec.eval.dataset.uri,
+                roots=self.settings.resolved_data_roots,
+                data_format=spec.eval.dataset.format,
+                s3_endpoint_url=self.settings.s3_endpoint_url,
+                timeout_s=self.settings.dataset_check_timeout_s,
+                field="eval.dataset.uri",
+            )
         self._check_fits(spec)
         try:
             with self.db.session() as session:

@@ -184,6 +184,35 @@ class CheckpointSpec(Strict):
         return self
 
 
+# Eval metrics are recorded as `eval_<name>` (`eval_loss`), beside the step's training metrics.
+EVAL_PREFIX = "eval_"
+
+
+class EvalSpec(Strict):
+    """Evaluation on held-out data, for recipes (the built-ins too): every `every_steps` steps and once
+    at the end, the model runs without gradients over the same batches of `dataset` each time (each
+    rank its first `max_batches` batches of `batch_size` rows, in the data's order for the job's seed
+    and world size), and the recipe's eval metrics (`eval_loss`, and the rest of what
+    `Recipe.evaluate` returns as `eval_<name>`), averaged over the batches and the ranks, are recorded
+    at their step, where `checkpoint.keep_best.metric` may use them."""
+
+    dataset: DatasetSpec = Field(
+        description="The held-out data, in the training data's format and row shape."
+    )
+    every_steps: Int | None = Field(
+        default=None,
+        le=MAX_INT,
+        ge=1,
+        description="Evaluate every N steps; None: only at the end (a final eval always runs at max_steps).",
+    )
+    max_batches: Int | None = Field(
+        default=None,
+        le=MAX_INT,
+        ge=1,
+        description="Batches each rank evaluates; None: its whole share of the dataset (kept in memory).",
+    )
+
+
 class AnomalyAction(StrEnum):
     """What the built-in trainers do about bad numerics at a step (`trainers.anomaly`)."""
 
@@ -384,6 +413,11 @@ class JobSpec(Strict):
         description="Stopped with a checkpoint after running this long; a research job without one gets "
         "its queue's default. The scheduler lets a job with one start in gaps that end before a reservation.",
     )
+    eval: EvalSpec | None = Field(
+        default=None,
+        validate_default=True,
+        description="Held-out evaluation (recipes): {dataset: {uri: ...}, every_steps: N, max_batches: K}.",
+    )
     config: dict[str, Any] = Field(
         default_factory=dict,
         description=f"The trainer's hyperparameters (built-ins: MLPConfig, GPTConfig); at most "
@@ -405,6 +439,18 @@ class JobSpec(Strict):
         if trainer not in BUILTIN_TRAINERS and not _IMPORT_PATH.fullmatch(trainer):
             raise ValueError(f"must be one of {', '.join(BUILTIN_TRAINERS)} or 'package.module:function'")
         return trainer
+
+    @field_validator("eval")
+    @classmethod
+    def _eval_for_keep_best(cls, eval_spec: EvalSpec | None, info: ValidationInfo) -> EvalSpec | None:
+        checkpoint = info.data.get("checkpoint")
+        keep_best = checkpoint.keep_best if isinstance(checkpoint, CheckpointSpec) else None
+        if eval_spec is None and keep_best is not None and keep_best.metric.startswith(EVAL_PREFIX):
+            raise ValueError(
+                f"checkpoint.keep_best.metric {keep_best.metric!r} is an eval metric: set eval "
+                "({dataset: {uri: ...}, every_steps: N})"
+            )
+        return eval_spec
 
     @field_validator("code")
     @classmethod

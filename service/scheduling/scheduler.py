@@ -490,9 +490,9 @@ class Scheduler:
         silent = sorted(
             (rank for rank in ranks if now - rank["seen"] > 3 * HEARTBEAT_S), key=lambda r: r["seen"]
         )
-        writing = [rank for rank in ranks if rank["phase"] == "checkpoint" and rank not in silent]
+        writing = [rank for rank in ranks if rank["phase"] in ("checkpoint", "eval") and rank not in silent]
         if writing and idle_s < CHECKPOINT_HANG_FACTOR * timeout_s:
-            return None  # a rank finishes writing a checkpoint: large ones take a while
+            return None  # a rank finishes writing a checkpoint or an eval: large ones take a while
         stuck = sorted(
             (rank for rank in ranks if rank["phase"] not in ("sync", "compute", "done")),
             key=lambda r: r["phase_since"],
@@ -946,8 +946,8 @@ PRUNE_KEYS_EVERY_S = 300.0
 STARTING_STATES = frozenset({JobState.ADMITTED, JobState.RECOVERING})
 
 
-# A rank that reports it is finishing a checkpoint write gets this many hang timeouts before it counts
-# as hung (its heartbeat shows it is alive; a large checkpoint to S3 takes minutes).
+# A rank that reports it is finishing a checkpoint write (or an eval) gets this many hang timeouts
+# before it counts as hung (its heartbeat shows it is alive; a large checkpoint to S3 takes minutes).
 CHECKPOINT_HANG_FACTOR = 10
 
 
