@@ -167,19 +167,24 @@ def simulate(
         _usage_error(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     try:
         resources = sim.parse_node(node)
-        with trace.open() as source:
-            jobs = sim.read_trace(source)
+        with trace.open(newline="", encoding="utf-8") as source:
+            jobs = sim.read_trace(source, nodes=nodes, node=resources)
         queues = load(queues_file)
     except (OSError, ValueError) as err:
         _usage_error(one_line(err))
     result = sim.simulate(jobs, nodes=nodes, node=resources, policy=policy, queues=queues)
     if as_json:
-        print(json.dumps(result.to_json()))
+        print(json.dumps(result.to_json(), allow_nan=False))
         return
     table = Table(title=f"{policy}: {result.jobs} jobs on {nodes} x {node}")
     for column in ("", "jobs", "wait p50", "p95", "p99", "mean", "max"):
         table.add_column(column, justify="right" if column else "left")
-    for group, stats in [*result.queues.items(), *(("size " + k, v) for k, v in result.size_classes.items())]:
+    rows = [
+        *((name, value.wait) for name, value in result.queues.items()),
+        *((f"{name}, all queued", value.queued) for name, value in result.queues.items()),
+        *(("size " + k, v) for k, v in result.size_classes.items()),
+    ]
+    for group, stats in rows:
         table.add_row(
             group,
             str(stats.jobs),
@@ -187,7 +192,8 @@ def simulate(
         )
     console.print(table)
     console.print(
-        f"utilization {result.utilization:.3f}; {result.preemptions} preemptions losing "
+        f"utilization {result.utilization:.3f} (first arrival to last submission); "
+        f"{result.preemptions} preemptions losing "
         f"{result.lost_gpu_hours:.1f} GPU-hours ({result.lost_work_s / 3600:.1f} job-hours); "
         f"{result.unfinished} job(s) could never run; makespan {_duration(result.makespan_s)}"
     )
