@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -23,6 +24,7 @@ from api.logformat import configure_logging, route_ray_logs
 from service.cluster import free_port
 from service.contract.errors import one_line
 from service.contract.spec import DataFormat
+from service.runtime import ray_client_env
 from service.settings import Settings
 
 app = typer.Typer(
@@ -56,6 +58,7 @@ def serve(
     settings = _settings(host=host, port=port)
     cli_admin.refuse_unsafe_bind(settings)
     configure_logging(settings.log_format)
+    os.environ.update(ray_client_env(settings))  # before Ray's first import (route_ray_logs)
     route_ray_logs(verbose=verbose)
     server.serve(create_app(settings), host=settings.host, port=settings.port, log_format=settings.log_format)
 
@@ -68,9 +71,10 @@ def demo(
 ) -> None:
     """Write a small token dataset, start Apiary, train a tiny GPT on 2 workers, show progress."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
-    route_ray_logs(verbose=verbose)
     port = free_port()
     settings = _settings(port=port)
+    os.environ.update(ray_client_env(settings))  # before Ray's first import (route_ray_logs)
+    route_ray_logs(verbose=verbose)
     cli_admin.refuse_unsafe_bind(settings)
     dataset = settings.data_dir / "datasets" / "demo-tokens"
     console.print(f"[bold]1.[/] writing a synthetic token dataset to {dataset}")
