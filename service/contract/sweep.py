@@ -223,7 +223,9 @@ def _extremes(param: Param) -> list[Value]:
 def max_steps_of(sweep: SweepSpec) -> int:
     """The most steps a trial may run."""
     param = sweep.space.get("max_steps")
-    return max(int(v) for v in _extremes(param)) if param is not None else sweep.base.max_steps
+    if param is not None:
+        return max(int(v) for v in _extremes(param))
+    return sweep.base.max_steps if sweep.base.max_steps is not None else MAX_INT
 
 
 # -- trials --------------------------------------------------------------------------------------
