@@ -74,6 +74,15 @@ def test_the_trainers_import_only_the_contract_and_the_formulas() -> None:
         assert all(shared(name) for name in names if name.startswith("service.")), module
 
 
+def test_the_examples_import_only_the_public_surface() -> None:
+    """examples/ is code a user would write: of Apiary it takes the recipe protocol, the built-in
+    recipes' helpers and the contract (the errors a column check raises), nothing else."""
+    public = ("trainers.recipe", "trainers.recipes", "service.contract")
+    for module, names in imports_of("examples").items():
+        inner = {name for name in names if packages({name}) & {"api", "service", "trainers", "migrations"}}
+        assert all(any(in_room(name, room) for room in public) for name in inner), (module, inner)
+
+
 @pytest.mark.parametrize("room", sorted(LOWER_ROOMS))
 def test_a_lower_room_imports_only_the_rooms_below_it(room: str) -> None:
     allowed = (room, *LOWER_ROOMS[room])
