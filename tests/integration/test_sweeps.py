@@ -162,3 +162,51 @@ def test_bad_sweeps_are_refused_naming_the_field_and_cancel_stops_every_trial(
     service.runtime.sweep_runner.tick()
     assert len(trials(service, sweep["id"])) == 2  # no new trial after the cancel
     assert service.http.post(f"/sweeps/{sweep['id']}/cancel").status_code == 409
+
+
+def test_the_cli_starts_shows_and_exports_a_sweep(
+    service: Service, spec: dict[str, Any], tmp_path: Any
+) -> None:
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from api.cli import app
+
+    env = {
+        "APIARY_URL": str(service.http.base_url),
+        "APIARY_CONFIG": str(tmp_path / "none.toml"),
+        "COLUMNS": "200",
+    }
+    cli = CliRunner()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(sweep_file(spec, max_trials=0), sort_keys=False))
+    refused = cli.invoke(app, ["sweep", str(bad)], env=env)
+    assert refused.exit_code == 2 and "max_trials" in refused.output, refused.output
+
+    good = tmp_path / "sweep.yaml"
+    good.write_text(yaml.safe_dump(sweep_file(spec), sort_keys=False))
+    started = cli.invoke(app, ["sweep", str(good), "--json"], env=env)
+    assert started.exit_code == 0, started.output
+    sweep_id = json.loads(started.stdout)["id"]
+    service.runtime.sweep_runner.tick()
+    shown = cli.invoke(app, ["sweep", "show", str(sweep_id)], env=env)
+    assert shown.exit_code == 0 and "lr-search" in shown.output and '"config.lr": 0.1' in shown.output
+    assert (
+        json.loads(cli.invoke(app, ["sweep", "show", str(sweep_id), "--json"], env=env).stdout)["state"]
+        == "running"
+    )
+    assert str(sweep_id) in cli.invoke(app, ["sweeps"], env=env).output
+
+    trial = trials(service, sweep_id)[0]
+    submission_id = run(service, trial["job"])
+    report(service, trial["job"], {40: 0.3})
+    service.backend.statuses[submission_id] = RayJobStatus.SUCCEEDED
+    service.tick()
+    best = cli.invoke(app, ["sweep", "best", str(sweep_id), "--full-scale"], env=env)
+    assert best.exit_code == 0, best.output
+    exported = yaml.safe_load(best.stdout)
+    assert (exported["queue"], exported["config"]["lr"]) == ("full-scale", trial["params"]["config.lr"])
+    assert cli.invoke(app, ["sweep", "cancel", str(sweep_id)], env=env).exit_code == 0
+    assert cli.invoke(app, ["resume", str(trial["job"])], env=env).exit_code == 1  # succeeded, not pruned
