@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from api import cli_admin, cli_db, cli_jobs, server
+from api import cli_admin, cli_db, cli_jobs, cli_sweeps, server
 from api.app import create_app
 from api.cli_plan import plan_command
 from api.client import ApiaryClientError
@@ -32,6 +32,7 @@ app = typer.Typer(
 )
 console = Console(soft_wrap=True)
 cli_jobs.register(app)
+cli_sweeps.register(app)
 
 
 # Ray's own log lines (its INFO) too; Apiary's are shown either way.
