@@ -118,7 +118,6 @@ class Reports:
         self.telemetry = telemetry
         self.rank = rank
         self.step = 0
-        self.stopped = False
         self._recorded: str | None = None  # the path of the last checkpoint this rank recorded
         self._steps: dict[str, int] = {}  # checkpoint folder name -> step, of this rank's own reports
 
@@ -184,7 +183,6 @@ class Reports:
             self.record_checkpoint()  # this report's, or one uploaded in the background since
         self.telemetry.progress("compute", step=step)
         if stop:
-            self.stopped = True
             raise StopRequested
 
     @property
