@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -49,7 +51,7 @@ JobId = Annotated[int, typer.Argument(help="The job's id.")]
 
 
 def register(app: typer.Typer) -> None:
-    for command in (submit, jobs, queue, show, logs, watch, cancel, preempt, compare):
+    for command in (submit, jobs, queue, show, logs, watch, cancel, preempt, compare, tensorboard):
         app.command()(command)
 
 
@@ -281,6 +283,37 @@ def compare(
     console.print(table)
     if not found.spec_diff:
         console.print("[dim]the specs are the same[/]")
+
+
+def tensorboard(
+    job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids [default: every job].")] = None,
+    print_only: Annotated[
+        bool, typer.Option("--print", help="Only print the folders, even where TensorBoard is installed.")
+    ] = False,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TensorBoard's port.")] = 6006,
+    url: Url = None,
+    token: Token = None,
+) -> None:
+    """Print the jobs' TensorBoard folders, then start TensorBoard on them when it is installed."""
+    with _client(url, token) as client:
+        logdirs = client.tensorboard_logdirs(job_ids or [])
+    folders = [logdir.removeprefix("file://") for logdir in logdirs]
+    for folder in folders:
+        print(folder)
+    program = shutil.which("tensorboard")
+    if print_only:
+        return
+    if program is None:
+        console.print(
+            "[dim]TensorBoard is not installed here: `pip install tensorboard`, then run it on these[/]"
+        )
+        return
+    named = job_ids and len(folders) > 1
+    where = (
+        ",".join(f"job-{i}:{f}" for i, f in zip(job_ids or [], folders, strict=True)) if named else folders[0]
+    )
+    flag = "--logdir_spec" if named else "--logdir"
+    os.execv(program, [program, flag, where, "--host", "127.0.0.1", "--port", str(port)])
 
 
 def _number(value: float | None) -> str:

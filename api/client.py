@@ -366,6 +366,12 @@ class ApiaryClient:
         """Jobs side by side: final and best metrics, and the spec keys they differ in."""
         return self._get("/compare", ComparePublic, params={"jobs": ",".join(str(i) for i in job_ids)})
 
+    def tensorboard_logdirs(self, job_ids: Sequence[int] = ()) -> list[str]:
+        """The jobs' TensorBoard folders (none given: the storage root, which holds every job's)."""
+        answer = self._send("GET", "/tensorboard", resend=True, params={"job": list(job_ids)})
+        logdirs: list[str] = answer.json()["logdirs"]
+        return logdirs
+
     # --- who you are, and tokens (admins) -------------------------------------------------------
 
     def me(self) -> UserPublic:

@@ -22,6 +22,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
         "jinja2",
         "prometheus_client",
         "pythonjsonlogger",
+        "tensorboardX",
         "pyarrow",
         "ray",
     ),

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.contract.spec import JobSpec, Strategy
 from trainers.parallel import clip_grad_norm, parallelize
-from trainers.registry import builtin_trainer
+from trainers.recipe import recipe_for, split_loss
 
 MIB = 1 << 20
 
@@ -106,7 +106,7 @@ def worker(rank: int, world_size: int, spec_json: str, out: str, port: int) -> N
         baseline = _proc_status_bytes("VmRSS")
 
         torch.manual_seed(spec.seed)
-        trainer = builtin_trainer(spec)
+        trainer = recipe_for(spec)
         model = trainer.build_model({"seq_len": seq_len})
         num_parameters = sum(p.numel() for p in model.parameters())
         model = parallelize(model, strategy=spec.strategy, device=torch.device("cpu"))
@@ -119,7 +119,7 @@ def worker(rank: int, world_size: int, spec_json: str, out: str, port: int) -> N
         started = time.perf_counter()
         for _ in range(spec.max_steps):
             tokens = torch.randint(0, vocab_size, (spec.batch_size, seq_len), generator=generator)
-            loss = trainer.loss(model, {"tokens": tokens})
+            loss, _ = split_loss(trainer.loss(model, {"tokens": tokens}))
             optimizer.zero_grad(set_to_none=True)  # as the loop does; the last step's gradients stay
             loss.backward()
             clip_grad_norm(model, max_norm=1.0)

@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.contract.spec import FsdpSpec, FsdpUnits, JobSpec, Strategy
 from trainers.parallel import autocast, fsdp_units, is_sharded, parallelize, param_bytes
-from trainers.registry import builtin_trainer
+from trainers.recipe import recipe_for, split_loss
 
 SIZES = {
     # name: gpt config (the issue's small model, and the ~63M-parameter one of fsdp_memory.py)
@@ -78,7 +78,7 @@ VARIANTS: dict[str, tuple[Strategy, FsdpSpec | None]] = {
 def default_variant(size: str, *, device: torch.device, args: argparse.Namespace) -> str:
     """The variant that the spec's defaults (`FsdpSpec()`) amount to for `size` on `device`."""
     defaults = FsdpSpec()
-    trainer = builtin_trainer(make_spec(size, strategy=Strategy.FSDP, fsdp=defaults, args=args))
+    trainer = recipe_for(make_spec(size, strategy=Strategy.FSDP, fsdp=defaults, args=args))
     with torch.device("meta"):  # the parameters' sizes, without their memory
         model = trainer.build_model({"seq_len": SEQ_LEN[size] + 1})
     if fsdp_units(defaults, device=device, param_bytes=param_bytes(model)) is FsdpUnits.MODEL:
@@ -138,7 +138,7 @@ def build_variant(
     """(model, optimizer, step function) of one variant, built from the same seed on every rank."""
     strategy, fsdp = VARIANTS[variant]
     spec = make_spec(size, strategy=strategy, fsdp=fsdp, args=args)
-    trainer = builtin_trainer(spec)
+    trainer = recipe_for(spec)
     device = rank_device(rank, args)
     torch.manual_seed(0)
     model = parallelize(
@@ -158,7 +158,7 @@ def build_variant(
         # As trainers/loop.py runs a step: forward and loss under the job's precision, then the rest.
         tokens = torch.randint(0, vocab, (args.batch_size, SEQ_LEN[size] + 1), generator=generator)
         with record_function("phase: forward"), autocast(args.precision, device=device, model=model):
-            loss = trainer.loss(model, {"tokens": tokens.to(device)})
+            loss, _ = split_loss(trainer.loss(model, {"tokens": tokens.to(device)}))
         optimizer.zero_grad(set_to_none=True)
         with record_function("phase: backward"):
             loss.backward()

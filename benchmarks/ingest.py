@@ -37,7 +37,7 @@ from api.demo import token_table, write_shards
 from service.contract.protocol import LaunchRequest
 from service.contract.spec import JobSpec
 from trainers.data import DatasetInfo, inspect_dataset, iter_batches_for_rank
-from trainers.registry import builtin_trainer
+from trainers.recipe import recipe_for
 
 SEQ_LEN = 129
 VOCAB = 256
@@ -80,7 +80,7 @@ def consume(request_json: str, info: dict[str, Any], rank: int, num_batches: int
     spec = request.spec
     dataset = DatasetInfo.from_dict(info)
     started = time.perf_counter()
-    collate = builtin_trainer(spec).build_collate(dataset.row_shape, uri=dataset.uri)
+    collate = recipe_for(spec).build_collate(dataset.row_shape, uri=dataset.uri)
     batches = iter_batches_for_rank(request, dataset, rank=rank, world_size=2, collate_fn=collate)
     next(batches)
     first_s = time.perf_counter() - started
@@ -110,7 +110,7 @@ def bench_pipeline(spec: JobSpec, info: DatasetInfo, *, epochs: int) -> dict[str
 
 
 def bench_pyarrow(spec: JobSpec, info: DatasetInfo, *, epochs: int) -> dict[str, float]:
-    collate = builtin_trainer(spec).build_collate(info.row_shape, uri=info.uri)
+    collate = recipe_for(spec).build_collate(info.row_shape, uri=info.uri)
     started = time.perf_counter()
     rows = 0
     first_s = None
@@ -125,7 +125,7 @@ def bench_pyarrow(spec: JobSpec, info: DatasetInfo, *, epochs: int) -> dict[str,
 
 def bench_mock(spec: JobSpec, info: DatasetInfo, *, batches: int) -> dict[str, float]:
     table = pq.ParquetFile(info.files[0]).read_row_group(0, columns=["tokens"]).slice(0, spec.batch_size)
-    batch = builtin_trainer(spec).build_collate(info.row_shape, uri=info.uri)(table)
+    batch = recipe_for(spec).build_collate(info.row_shape, uri=info.uri)(table)
     started = time.perf_counter()
     for _ in range(batches):
         _ = batch["tokens"]
@@ -198,7 +198,7 @@ def main() -> None:
         table = token_table(num_rows=args.shards * args.rows_per_shard, seq_len=SEQ_LEN, vocab_size=VOCAB)
         write_shards(table, data.as_uri(), num_shards=args.shards)
         spec = make_spec(data, batch_size=args.batch_size)
-        info = inspect_dataset(spec)
+        info = inspect_dataset(spec, recipe=recipe_for(spec))
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
         try:
             pipeline = bench_pipeline(spec, info, epochs=args.epochs)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.contract.spec import JobSpec
 from service.contract.storage import list_shards
-from trainers.registry import builtin_trainer
+from trainers.recipe import recipe_for, split_loss
 
 
 def load_rows(spec: JobSpec, *, rank: int, world_size: int) -> np.ndarray:
@@ -53,7 +53,7 @@ def worker(rank: int, world_size: int, spec_json: str, out: str, threads: int, p
     spec = JobSpec.model_validate_json(spec_json)
     rows = load_rows(spec, rank=rank, world_size=world_size)
     torch.manual_seed(spec.seed)
-    trainer = builtin_trainer(spec)
+    trainer = recipe_for(spec)
     model = nn.parallel.DistributedDataParallel(trainer.build_model({"seq_len": rows.shape[1]}))
     optimizer, lr_schedule = trainer.build_optimizer(model.module, max_steps=spec.max_steps)
     grad_clip = trainer.grad_clip or math.inf
@@ -64,7 +64,7 @@ def worker(rank: int, world_size: int, spec_json: str, out: str, threads: int, p
     for step in range(spec.max_steps):
         start = (step % batches_per_epoch) * spec.batch_size
         batch = {"tokens": torch.from_numpy(rows[start : start + spec.batch_size])}
-        loss = trainer.loss(model, batch)
+        loss, _ = split_loss(trainer.loss(model, batch))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)

@@ -31,7 +31,7 @@ from service.contract.protocol import LaunchRequest
 from service.contract.spec import JobSpec
 from trainers.data import DatasetInfo, inspect_dataset, iter_batches_for_rank
 from trainers.data_order import DataPosition
-from trainers.registry import builtin_trainer
+from trainers.recipe import recipe_for
 
 SEQ_LEN = 129
 VOCAB = 256
@@ -55,7 +55,7 @@ def first_batch_s(
         dataset,
         rank=rank,
         world_size=2,
-        collate_fn=builtin_trainer(spec).build_collate(dataset.row_shape, uri=dataset.uri),
+        collate_fn=recipe_for(spec).build_collate(dataset.row_shape, uri=dataset.uri),
         start=DataPosition(0, 0 if naive else start_sample),
     )
     for _ in range(start_sample // spec.batch_size if naive else 0):
@@ -105,7 +105,7 @@ def main() -> None:
                 "config": {"vocab_size": VOCAB},
             }
         )
-        info = inspect_dataset(spec)
+        info = inspect_dataset(spec, recipe=recipe_for(spec))
         per_rank = info.num_rows // 2 // args.batch_size * args.batch_size
         at_90 = int(0.9 * per_rank) // args.batch_size * args.batch_size
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)

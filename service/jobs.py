@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import auth, compare, logs
+from service import auth, compare, logs, tracking
 from service.allowlists import check_dataset, check_trainer
 from service.auth import User
 from service.capacity import ClusterSnapshot, capacity_text, fits_empty_cluster, gang_for
@@ -538,6 +538,13 @@ class JobService:
                 points = repository.list_metrics(session, job_id, query)
                 runs.append((job, compare.summarize((point.step, point.values) for point in points)))
         return Comparison(runs=runs, spec_diff=compare.spec_diff([job.spec for job, _ in runs]))
+
+    def tensorboard_logdirs(self, job_ids: Sequence[int]) -> list[str]:
+        """The TensorBoard folders of these jobs (JobNotFound for an unknown one), or the storage root."""
+        with self.db.session() as session:
+            for job_id in job_ids:
+                repository.get_job(session, job_id)
+        return tracking.logdirs(self.settings, job_ids)
 
     def list_checkpoints(self, job_id: int) -> list[Checkpoint]:
         with self.db.session() as session:

@@ -86,6 +86,20 @@ class Settings(BaseSettings):
         "own credentials, e.g. an instance role). Ray shows a job's runtime_env to its dashboard's readers.",
     )
 
+    tensorboard: bool = Field(
+        default=True,
+        description="Write every job's metrics as TensorBoard event files under "
+        "{storage_uri}/job-N/tensorboard (service.tracking).",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        description="An MLflow tracking server (http://host:5000): every job becomes an MLflow run there "
+        "(service.tracking). Needs the `mlflow` package.",
+    )
+    export_interval_s: float = Field(
+        default=2.0, gt=0, description="How often new metric points go to TensorBoard and MLflow."
+    )
+
     migrate_on_start: bool = Field(
         default=True,
         description="Upgrade the database schema when the service starts. A deployment that migrates "

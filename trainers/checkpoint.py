@@ -8,7 +8,7 @@ without the job's database row:
                        `scheduler` to `lr_schedule`, 4 added the completion marker and
                        `skipped_batches`; 1 to 3 still read, but only explicitly: a run never
                        resumes from a folder without a marker)
-    trainer            the spec's trainer name ("mlp", "gpt" or "package.module:function")
+    trainer            the spec's trainer name ("mlp", "gpt" or "package.module:ClassName")
     spec               the full JobSpec (`model_dump(mode="json")`)
     row_shape          the data's row shape the model was sized by ({"input_size": n} | {"seq_len": L})
     model_format       "full": model and optimizer are in this dict (DDP, written by rank 0);
@@ -22,6 +22,8 @@ without the job's database row:
     samples_consumed   samples all ranks together had trained on
     skipped_batches    [[epoch, batch index in epoch], ...]: batches never trained on, skipped by an
                        anomaly rollback (`trainers.anomaly`); [] when reading formats 1 to 3
+    recipe_state       (when the recipe has one) the recipe's own state, `Recipe.state_dict()` of
+                       rank 0 (`trainers.recipe`)
     world_size         ranks that wrote it
     rng                one dict per rank: python, numpy, torch (and cuda) generator states
 
@@ -86,7 +88,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -101,7 +103,7 @@ from service.contract.storage import checkpoint_uri, resolve_uri, sha256_of
 from service.planning.formulas import DEFAULT_MTBF_S, auto_checkpoint_interval_s, young_interval_s
 from trainers.data_order import DataPosition
 from trainers.parallel import is_sharded, unwrap_model
-from trainers.registry import RowShape, builtin_trainer
+from trainers.recipe import RowShape, recipe_for
 from trainers.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -148,13 +150,21 @@ class TrainState:
         self.batches_in_epoch += 1
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 @dataclass(kw_only=True)
 class TrainParts:
-    """The stateful torch objects of one rank: what a checkpoint restores tensors into."""
+    """The stateful objects of one rank: what a checkpoint restores tensors into."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     lr_schedule: torch.optim.lr_scheduler.LRScheduler
+    # The recipe's own state (`Recipe.state_dict`), the same on every rank: rank 0's is saved.
+    extra: Stateful | None = None
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -306,6 +316,9 @@ def take_snapshot(
             "rng": rng,
         }
     )
+    extra = parts.extra.state_dict() if parts.extra is not None else {}
+    if extra:
+        contents["recipe_state"] = other(extra)
     if not sharded:
         contents["model"] = model_part(unwrap_model(parts.model).state_dict())
         contents["optimizer"] = optimizer_part(parts.optimizer.state_dict())
@@ -773,11 +786,14 @@ def restore_checkpoint(
         unwrap_model(model).load_state_dict(contents["model"])
         optimizer.load_state_dict(contents["optimizer"])
     parts.lr_schedule.load_state_dict(contents["lr_schedule"])
+    if parts.extra is not None and "recipe_state" in contents:
+        parts.extra.load_state_dict(contents["recipe_state"])
     return contents
 
 
 def build_model_from_checkpoint(directory: str | Path, *, s3_endpoint_url: str | None = None) -> nn.Module:
-    """Rebuild a built-in trainer's model from a checkpoint folder and load its weights (eval mode, CPU).
+    """Rebuild a recipe's model from a checkpoint folder and load its weights (eval mode, CPU); the
+    recipe's module is imported.
 
     Works for both layouts; a sharded one is gathered from its shards in this one process.
     """
@@ -785,7 +801,7 @@ def build_model_from_checkpoint(directory: str | Path, *, s3_endpoint_url: str |
         with local_checkpoint(directory, s3_endpoint_url=s3_endpoint_url) as local:
             return build_model_from_checkpoint(local)
     contents = load_checkpoint(directory)
-    model = builtin_trainer(JobSpec.model_validate(contents["spec"])).build_model(contents["row_shape"])
+    model = recipe_for(JobSpec.model_validate(contents["spec"])).build_model(contents["row_shape"])
     if contents["model_format"] == "sharded":
         dcp, _, _ = _dcp()
         model_state = model.state_dict()

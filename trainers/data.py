@@ -6,7 +6,7 @@ first, so a missing or corrupt shard fails the job in seconds with a one-line re
 or a traceback inside a worker. Without one it lists the files and reads only parquet footers (or
 tar member names) and one row. Either way it learns the read units (parquet row groups, or whole tar
 shards) with their row counts: the input of the deterministic order (`trainers.data_order`). A
-built-in trainer checks its columns on that one row (`trainers.registry`).
+recipe checks its columns on that one row (`Recipe.check_columns`, `trainers.recipe`).
 
 The worker side is `iter_batches_for_rank`: (epoch, batch) forever from a data position, read
 through Ray Data in an order that is a function of (seed, epoch, world size) only
@@ -33,15 +33,16 @@ import pyarrow.parquet as pq
 
 from service.contract.errors import DatasetError, one_line
 from service.contract.protocol import LaunchRequest
-from service.contract.spec import BUILTIN_TRAINERS, DataFormat, JobSpec
+from service.contract.spec import DataFormat, JobSpec
 from service.contract.storage import Manifest, list_shards, read_manifest, validate_manifest
 from service.contract.webdataset import count_webdataset_samples, iter_webdataset_samples
 from trainers.data_order import DataOrder, DataPosition, Unit
 from trainers.data_stream import Batch, BatchStream, ShardSource, iter_rank_batches
-from trainers.registry import builtin_trainer
 
 if TYPE_CHECKING:
     import torch
+
+    from trainers.recipe import Recipe
 
 ID_COLUMN = "id"
 
@@ -54,9 +55,10 @@ class DatasetInfo:
     files: list[str]
     columns: list[str]
     num_rows: int
-    # Per-trainer row shape: {"input_size": n} for mlp, {"seq_len": L} for gpt, {} for custom.
+    # The recipe's row shape (`Recipe.check_columns`): {"input_size": n} for mlp, {"seq_len": L} for
+    # gpt; {} for a function trainer.
     row_shape: dict[str, int] = field(default_factory=dict)
-    # The columns the trainer reads (a built-in's); None reads them all (a custom trainer's).
+    # The columns the trainer reads (a recipe's `read_columns`); None reads them all.
     read_columns: list[str] | None = None
     format: DataFormat = DataFormat.PARQUET
     # Read units in canonical order, as [file index, part (row group; -1 = whole tar), rows].
@@ -89,9 +91,14 @@ class DatasetInfo:
 
 
 def inspect_dataset(
-    spec: JobSpec, *, s3_endpoint_url: str | None = None, verify_checksums: bool = True
+    spec: JobSpec,
+    *,
+    recipe: Recipe[Any] | None = None,
+    s3_endpoint_url: str | None = None,
+    verify_checksums: bool = True,
 ) -> DatasetInfo:
-    """Check that the job's dataset can feed its trainer, reading footers (or tar headers) and one row.
+    """Check that the job's dataset can feed its trainer, reading footers (or tar headers) and one row:
+    `recipe`'s column check (None, for a function trainer: any columns).
 
     With a manifest, every shard is first checked against it (size, and sha256 unless
     `verify_checksums` is False). Raises `DatasetError` (a `ValueError`) with a one-line reason.
@@ -121,10 +128,9 @@ def inspect_dataset(
         )
     row_shape: dict[str, int] = {}
     read_columns: list[str] | None = None
-    if spec.trainer in BUILTIN_TRAINERS:
-        trainer = builtin_trainer(spec)
-        row_shape = trainer.check_columns(schema, first_row, uri=uri)
-        read_columns = list(trainer.read_columns)
+    if recipe is not None:
+        row_shape = recipe.check_columns(schema, first_row, uri=uri)
+        read_columns = list(recipe.read_columns) if recipe.read_columns is not None else None
     return DatasetInfo(
         uri=uri,
         files=files,

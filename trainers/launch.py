@@ -17,9 +17,11 @@ Train also finds the checkpoint to resume from when a job is resubmitted with th
 The trainer is Ray Train V2's `DataParallelTrainer` with `trainers.backend.ProcessGroupConfig`,
 which is what `TorchTrainer` is with `TorchConfig`, minus the torch import: neither this driver nor
 the Train controller imports torch (each import delays the workers' start). So this module
-imports no torch either: the built-in train loop is reached through `builtin_train_loop`, and a
-custom trainer's module (which imports torch itself) is checked from its source here and imported
-only on the workers (`custom_trainer`). `ApiaryTrainer` (`trainers.ray_private`) also leaves out
+imports no torch either: the recipes' train loop is reached through `recipe_train_loop`. What the
+spec's `trainer` is, a recipe, an own loop or a Ray function (`trainer_kind`), is read from its
+module's source; a recipe's module is imported here, for its config schema and column check (the
+built-ins' module imports no torch), a function's only on the workers (`run_custom_trainer`).
+`ApiaryTrainer` (`trainers.ray_private`) also leaves out
 two of Ray Train's helper actors, a process each per job. Every process of the job prints its
 start-up marks (`trainers.startup`) for `benchmarks/overhead.py`.
 
@@ -42,9 +44,8 @@ Every name this package takes from Ray's private API is in `trainers.ray_private
 
 from __future__ import annotations
 
-import ast
 import functools
-import importlib
+import inspect
 import logging
 import re
 import sys
@@ -52,8 +53,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.machinery import ModuleSpec
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any
 
 import ray
@@ -75,8 +75,9 @@ from service.contract.protocol import (
     error_line,
     find_module,
 )
-from service.contract.spec import BUILTIN_TRAINERS, JobSpec
+from service.contract.spec import JobSpec
 from service.contract.storage import checkpoint_uri, resolve_uri
+from service.contract.trainer_kind import CONTEXT_TYPE, TrainerKind, TrainerNotDefined, kind_of_trainer
 from trainers import startup
 from trainers.backend import ProcessGroupConfig
 from trainers.data import DatasetInfo, inspect_dataset
@@ -88,6 +89,7 @@ from trainers.ray_private import (
     is_ray_train_error,
     unwrap_user_exception,
 )
+from trainers.recipe import BUILTIN_RECIPES, import_trainer, recipe_for
 from trainers.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -194,8 +196,11 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
     started = time.monotonic()
     spec = request.spec
     token = read_token(pointer) if pointer is not None else None
-    train_fn = builtin_train_loop if spec.trainer in BUILTIN_TRAINERS else custom_trainer(spec.trainer)
-    dataset_info = inspect_dataset(spec, s3_endpoint_url=request.s3_endpoint_url)
+    kind = trainer_kind(spec.trainer)
+    # A recipe's module is imported here: its config and its column check run before any worker starts.
+    recipe = recipe_for(spec) if kind is TrainerKind.RECIPE else None
+    train_fn = train_function_for(kind, spec.trainer)
+    dataset_info = inspect_dataset(spec, recipe=recipe, s3_endpoint_url=request.s3_endpoint_url)
     startup.mark("checked")
     storage_path, storage_filesystem = resolve_uri(
         request.storage_uri, s3_endpoint_url=request.s3_endpoint_url
@@ -238,11 +243,11 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
             storage_filesystem=storage_filesystem,
             failure_config=failure_config,
         ),
-        # Built-in trainers read their own deterministic per-rank streams (trainers.data_stream);
-        # a custom trainer still gets the whole dataset through `ray.train.get_dataset_shard`.
+        # Recipes read their own deterministic per-rank streams (trainers.data_stream); a function
+        # trainer still gets the whole dataset through `ray.train.get_dataset_shard`.
         datasets=(
             None
-            if spec.trainer in BUILTIN_TRAINERS
+            if recipe is not None
             else {DATASET_NAME: build_ray_dataset(dataset_info, s3_endpoint_url=request.s3_endpoint_url)}
         ),
         dataset_config=ray.train.DataConfig(
@@ -280,7 +285,54 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
     )
 
 
-def builtin_train_loop(loop_config: dict[str, Any]) -> None:
+def trainer_kind(trainer: str) -> TrainerKind:
+    """What `trainer` is (a recipe, an own loop, a Ray function), or ValueError saying why it cannot run.
+
+    Read from its module's source (`service.contract.trainer_kind`), which a typo fails before any
+    worker starts; only when the source cannot tell (the name is assigned, imported, decorated) is
+    the module imported here to look at the object.
+    """
+    if trainer in BUILTIN_RECIPES:
+        return TrainerKind.RECIPE
+    module_name, attr = _split_trainer(trainer)
+    if find_module(module_name) is None:
+        raise ValueError(f"trainer {trainer!r}: cannot find module {module_name!r}")
+    try:
+        kind = kind_of_trainer(trainer)
+    except TrainerNotDefined:
+        raise ValueError(f"trainer {trainer!r}: module {module_name!r} has no {attr!r}") from None
+    if kind is not None:
+        return kind
+    found = import_trainer(trainer)
+    if isinstance(found, type):
+        return TrainerKind.RECIPE
+    if not callable(found):
+        raise ValueError(f"trainer {trainer!r}: {attr} is neither a recipe class nor a function")
+    try:
+        parameters = list(inspect.signature(found).parameters.values())
+    except (TypeError, ValueError):
+        return TrainerKind.RAY_FUNCTION
+    if parameters and _type_name(parameters[0].annotation) == CONTEXT_TYPE:
+        return TrainerKind.LOOP
+    return TrainerKind.RAY_FUNCTION
+
+
+def _type_name(annotation: Any) -> str | None:
+    """The last dotted name of an annotation (a class, or a string under postponed evaluation)."""
+    if isinstance(annotation, str):
+        return annotation.rsplit(".", 1)[-1].strip() or None
+    return getattr(annotation, "__name__", None)
+
+
+def train_function_for(kind: TrainerKind, trainer: str) -> Callable[[dict[str, Any]], Any]:
+    """The per-worker function Ray Train runs for a trainer of `kind`: Apiary's loop for a recipe, the
+    trainer itself for a function (imported on the workers only)."""
+    if kind is TrainerKind.RECIPE:
+        return recipe_train_loop
+    return functools.partial(run_custom_trainer, trainer)
+
+
+def recipe_train_loop(loop_config: dict[str, Any]) -> None:
     """`trainers.loop.train_loop_per_worker`, imported on the worker that runs it (with torch)."""
     startup.mark("loop_entered")
     from trainers.loop import train_loop_per_worker
@@ -290,13 +342,11 @@ def builtin_train_loop(loop_config: dict[str, Any]) -> None:
     train_loop_per_worker(loop_config)
 
 
-def custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
-    """The per-worker function of custom trainer `package.module:function`, checked on the driver
-    without importing its module, or ValueError saying why not.
+def run_custom_trainer(trainer: str, loop_config: dict[str, Any]) -> Any:
+    """On a worker: the start-up marks (what follows is the trainer's own), then the trainer.
 
-    Custom trainers: `trainer: "package.module:function"` names a function that Ray Train runs on
-    every worker in place of `trainers.loop.train_loop_per_worker`. It is called once per worker with
-    the loop config (Ray Train's `train_loop_config`) the built-ins get:
+    A function trainer (`trainer: "package.module:function"`) is called once per worker with the loop
+    config (Ray Train's `train_loop_config`):
 
         loop_config["request"]  the LaunchRequest as a JSON-ready dict
                                 (`LaunchRequest.model_validate(loop_config["request"])` gives it
@@ -305,27 +355,10 @@ def custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
         loop_config["handoff"]  the attempt's handoff pointer (`service.contract.handoff.loop_token` reads
                                 its report token from it), or None
 
-    It reads its shard with `ray.train.get_dataset_shard("train")` and must call
-    `ray.train.report` the same number of times on every rank. The function must be importable on
-    every worker (installed in the cluster's environment or shipped with the job's runtime_env).
-
-    A typo fails here, before any worker starts: the module must be found on the path and its source
-    must bind the name at top level (`def`, an assignment, an import; a module `__getattr__` or a
-    compiled module is taken on trust). The module itself is imported only on the workers
-    (`run_custom_trainer`): it imports torch, which would cost the driver seconds on the way to
-    step 1 (benchmarks/overhead.py).
+    It reads its shard with `ray.train.get_dataset_shard("train")` and must call `ray.train.report`
+    the same number of times on every rank. Its module is imported on the workers only: it imports
+    torch, which would cost the driver seconds on the way to step 1 (benchmarks/overhead.py).
     """
-    module_name, attr = _split_trainer(trainer)
-    found = find_module(module_name)
-    if found is None:
-        raise ValueError(f"trainer {trainer!r}: cannot find module {module_name!r}")
-    if not _binds(found, attr):
-        raise ValueError(f"trainer {trainer!r}: module {module_name!r} has no function {attr!r}")
-    return functools.partial(run_custom_trainer, trainer)
-
-
-def run_custom_trainer(trainer: str, loop_config: dict[str, Any]) -> Any:
-    """On a worker: the start-up marks (what follows is the trainer's own), then the trainer."""
     startup.mark("loop_entered")
     startup.emit(f"rank {ray.train.get_context().get_world_rank()}")
     return load_custom_trainer(trainer)(loop_config)
@@ -333,13 +366,9 @@ def run_custom_trainer(trainer: str, loop_config: dict[str, Any]) -> Any:
 
 def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
     """Import `package.module:function` and return the function, or raise ValueError saying why not."""
-    module_name, attr = _split_trainer(trainer)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"trainer {trainer!r}: cannot import module {module_name!r} ({err})") from err
-    function = getattr(module, attr, None)
+    function = import_trainer(trainer)
     if not callable(function):
+        module_name, attr = _split_trainer(trainer)
         raise ValueError(f"trainer {trainer!r}: module {module_name!r} has no function {attr!r}")
     return function
 
@@ -347,33 +376,8 @@ def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
 def _split_trainer(trainer: str) -> tuple[str, str]:
     module_name, _, attr = trainer.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"trainer {trainer!r} must look like 'package.module:function'")
+        raise ValueError(f"trainer {trainer!r} must look like 'package.module:Name'")
     return module_name, attr
-
-
-def _binds(found: ModuleSpec, name: str) -> bool:
-    """Whether the module's source binds `name` at top level (True when it cannot tell)."""
-    if found.origin is None or not found.origin.endswith(".py"):
-        return True  # a namespace package, a compiled or built-in module: the worker's import tells
-    try:
-        tree = ast.parse(Path(found.origin).read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError):
-        return True  # the worker's import gives the real error
-    bound: set[str] = set()
-    pending: list[ast.AST] = [tree]
-    while pending:  # the module's statements, into if/try/with blocks, not into functions or classes
-        node = pending.pop()
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            bound.add(node.name)
-            continue
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            bound.add(node.id)
-        elif isinstance(node, ast.alias):
-            if node.name == "*":
-                return True
-            bound.add(node.asname or node.name.split(".")[0])
-        pending.extend(ast.iter_child_nodes(node))
-    return name in bound or "__getattr__" in bound
 
 
 def build_scaling_config(spec: JobSpec) -> ray.train.ScalingConfig:

@@ -1,16 +1,17 @@
-"""The per-worker train loop of the built-in trainers, run by Ray Train on every rank.
+"""The per-worker train loop of recipes (`trainers.recipe`; the built-ins are recipes), run by Ray Train
+on every rank.
 
-`trainers.launch` hands it to Ray Train (through `builtin_train_loop`); read it top to bottom:
+`trainers.launch` hands it to Ray Train (through `recipe_train_loop`); read it top to bottom:
 
 1. Find where to start: the run's latest checkpoint (`Checkpointer.latest`: a restarted worker group
    or a resubmitted job) holds the `TrainState`, with the exact data position.
 2. Open this rank's data stream from that position: it starts reading in the background at once,
    so the first batch is read while the model is built.
-3. Build the model of the built-in trainer (`trainers.registry`; weights from the seed alone, the
-   same on every rank), wrap it for `spec.strategy` (DDP or FSDP2, `trainers.parallel`; gloo on CPU,
-   nccl on GPU), build the optimizer, and load the checkpoint's model, optimizer, LR schedule and
-   RNG states into them (an FSDP checkpoint re-shards to this run's world size). Forward and loss
-   run under `spec.precision` (bf16 = autocast).
+3. Build the recipe's model (weights from the seed alone, the same on every rank), wrap it for
+   `spec.strategy` (DDP or FSDP2, `trainers.parallel`; gloo on CPU, nccl on GPU), build the
+   optimizer, and load the checkpoint's model, optimizer, LR schedule, recipe state and RNG states
+   into them (an FSDP checkpoint re-shards to this run's world size). Forward and loss run under
+   `spec.precision` (bf16 = autocast).
 4. Run optimizer steps until exactly `max_steps`; the loop owns the step count and starts a new
    epoch of the shard whenever one runs out.
    Between backward and the optimizer step, every rank judges the step's numerics
@@ -26,7 +27,8 @@
    is saved in every later checkpoint, and its length counts the run's rollbacks: one more anomaly
    after `anomaly.max_rollbacks` of them stops the job. The detecting rank posts an `anomaly` event
    and rank 0 a `rollback` event (`Telemetry.event`).
-5. Each step, record this rank's metrics (`STEP_METRICS`) as telemetry.
+5. Each step, record this rank's metrics (`STEP_METRICS`, and the metrics the recipe's `loss`
+   returns) as telemetry.
 6. At the end of every step the ranks agree (`Checkpointer.end_step`, one small collective per step)
    on whether to checkpoint (`checkpoint.every_steps`, `checkpoint.every_s`, `max_steps`) and
    whether to stop. A checkpoint is copied to host memory at that step and written in the
@@ -46,6 +48,7 @@ takes exactly the batches an uninterrupted run would have taken.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import sys
@@ -67,7 +70,7 @@ from trainers.anomaly import Anomaly, AnomalyDetector, decide, encode
 from trainers.checkpoint import Checkpointer, Resume, TrainParts, TrainState, seed_rank
 from trainers.data import DatasetInfo, RankBatches, iter_batches_for_rank
 from trainers.parallel import autocast, clip_grad_norm, gather_values, parallelize, rank0_value
-from trainers.registry import BuiltinTrainer, builtin_trainer
+from trainers.recipe import Recipe, recipe_for, split_loss
 from trainers.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -93,12 +96,20 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     request = LaunchRequest.model_validate(loop_config["request"])
     dataset = DatasetInfo.from_dict(loop_config["dataset"])
     spec = request.spec
-    trainer = builtin_trainer(spec)
+    trainer = recipe_for(spec)
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
     _configure_logging(rank)
-    start = _Worker(request, dataset, trainer, rank=rank, world_size=world_size, device=device).start
+    start = _Worker(
+        request,
+        dataset,
+        trainer,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        initial_recipe_state=copy.deepcopy(trainer.state_dict()),
+    ).start
 
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -143,7 +154,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             telemetry.progress("compute")
 
             with autocast(spec.precision, device=device, model=parts.model):
-                loss = trainer.loss(parts.model, batch)
+                loss, recipe_metrics = split_loss(trainer.loss(parts.model, batch))
             forward_s = time.perf_counter() - step_started - data_wait_s
             parts.optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces the gradients here
@@ -194,6 +205,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "data_wait_s": data_wait_s,
                 "forward_s": forward_s,
                 "epoch": float(epoch),
+                **metric_values(recipe_metrics),
             }
             telemetry.record(state.step, values)
             if startup.mark("step_1_done"):
@@ -222,10 +234,12 @@ class _Worker:
 
     request: LaunchRequest
     dataset: DatasetInfo
-    trainer: BuiltinTrainer[Any]
+    trainer: Recipe[Any]
     rank: int
     world_size: int
     device: torch.device
+    # The recipe's state as built: what a rollback to the initial weights gives it back.
+    initial_recipe_state: dict[str, Any]
 
     def start(self, resume: Resume | None) -> tuple[TrainState, RankBatches, TrainParts]:
         """Steps 1-3 from `resume` (None: a fresh run): at the group's start, and again on a rollback."""
@@ -249,25 +263,40 @@ class _Worker:
             startup.mark("stream_opened")
             spec = self.request.spec
             torch.manual_seed(spec.seed)
+            model = self.trainer.build_model(self.dataset.row_shape)
             model = parallelize(
-                self.trainer.build_model(self.dataset.row_shape),
+                model,
                 strategy=spec.strategy,
                 device=self.device,
                 fsdp=spec.fsdp,
                 precision=spec.precision,
                 max_workers=spec.max_workers,
+                blocks=self.trainer.fsdp_blocks(model),
             )
             optimizer, lr_schedule = self.trainer.build_optimizer(model, max_steps=spec.max_steps)
-            parts = TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule)
+            parts = TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule, extra=self.trainer)
             startup.mark("model_built")
             if resume is not None:
                 resume.restore(parts, rank=self.rank, world_size=self.world_size)
             else:
+                if self.initial_recipe_state:
+                    self.trainer.load_state_dict(copy.deepcopy(self.initial_recipe_state))
                 seed_rank(spec.seed, rank=self.rank, step=0)
         except BaseException:
             batches.close()
             raise
         return state, batches, parts
+
+
+def metric_values(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """A recipe's metrics as numbers; a name of the loop's own (`STEP_METRICS`) is refused."""
+    taken = next((name for name in metrics if name in STEP_METRICS), None)
+    if taken is not None:
+        raise ValueError(
+            f"the recipe's loss returns a metric named {taken!r}, a name of the loop's own step "
+            f"metrics ({', '.join(STEP_METRICS)}): rename it"
+        )
+    return {name: float(value) for name, value in metrics.items()}
 
 
 def _join_group(telemetry: Telemetry, *, device: torch.device) -> None:

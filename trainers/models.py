@@ -1,4 +1,4 @@
-"""The models of the built-in trainers (`trainers.registry` builds them from a job's config).
+"""The models of the built-in recipes (`trainers.recipes` builds them from a job's config).
 
 - `MLP`: a multilayer perceptron (Linear + ReLU layers, then a Linear output).
 - `GPT`: a small decoder-only causal transformer language model (nanoGPT shape): token and

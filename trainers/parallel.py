@@ -84,13 +84,14 @@ def parallelize(
     fsdp: FsdpSpec | None = None,
     precision: str = "fp32",
     max_workers: int | None = None,
+    blocks: Sequence[nn.Module] | None = None,
 ) -> nn.Module:
     """Move `model` to `device` and wrap it for `strategy` over the default process group.
 
     Without a process group, or with one rank, the model is only moved: there is nothing to synchronize
     or shard (FSDP: only when the job never has more than one worker, `max_workers` 1, so that a job
     keeps one checkpoint layout whatever its size). Call before building the optimizer: FSDP replaces
-    the parameters by sharded ones.
+    the parameters by sharded ones. `blocks`: FSDP's block units (`shard_model`).
     """
     if device.type == "cuda":
         # FSDP's device mesh and NCCL use the current device, which must be this rank's GPU.
@@ -105,7 +106,9 @@ def parallelize(
         if dist.get_world_size() == 1 and max_workers == 1:
             logger.info("strategy fsdp on one worker: nothing to shard, the model runs unwrapped")
             return model
-        return shard_model(model, device=device, options=fsdp or FsdpSpec(), precision=precision)
+        return shard_model(
+            model, device=device, options=fsdp or FsdpSpec(), precision=precision, blocks=blocks
+        )
     if not is_distributed() or dist.get_world_size() == 1:
         return model
     return nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
@@ -134,10 +137,16 @@ def param_bytes(model: nn.Module) -> int:
 
 
 def shard_model(
-    model: nn.Module, *, device: torch.device, options: FsdpSpec | None = None, precision: str = "fp32"
+    model: nn.Module,
+    *,
+    device: torch.device,
+    options: FsdpSpec | None = None,
+    precision: str = "fp32",
+    blocks: Sequence[nn.Module] | None = None,
 ) -> nn.Module:
-    """FSDP2 over all ranks of the default group: with block units each block of `model.blocks`
-    (if any) first, then the root; bf16 as FSDP2's mixed precision (see the module's docstring)."""
+    """FSDP2 over all ranks of the default group: with block units each of `blocks` (None:
+    `model.blocks`, if it is an `nn.ModuleList`) first, then the root; bf16 as FSDP2's mixed
+    precision (see the module's docstring)."""
     # Imported here: FSDP and DTensor slow every worker's start, and DDP needs neither.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -153,7 +162,9 @@ def shard_model(
         inner = root = MixedPrecisionPolicy()
     else:
         raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
-    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        found = getattr(model, "blocks", None)
+        blocks = list(found) if isinstance(found, nn.ModuleList) else []
     units = fsdp_units(options, device=device, param_bytes=param_bytes(model))
     logger.info(
         "fsdp: units %s (asked: %s, on %s), reshard_after_forward %s",
@@ -163,7 +174,7 @@ def shard_model(
         options.reshard_after_forward,
         extra={"action": "fsdp_wrapped", "units": units.value},
     )
-    if units is FsdpUnits.BLOCKS and isinstance(blocks, nn.ModuleList):
+    if units is FsdpUnits.BLOCKS:
         for block in blocks:
             fully_shard(
                 block, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=inner

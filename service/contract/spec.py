@@ -3,7 +3,7 @@
 A spec that the API accepts is exactly what the trainer runs. This module must stay importable
 without SQLAlchemy, FastAPI or Ray: the trainers import it on the cluster. It also holds the
 hyperparameter schemas of the built-in trainers (`BUILTIN_CONFIGS`), so that the API validates a
-built-in's `config` without importing the trainers; `trainers.registry` binds each name to its
+built-in's `config` without importing the trainers; `trainers.recipes` binds each name to its
 implementation.
 """
 

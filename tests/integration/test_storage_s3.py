@@ -31,7 +31,7 @@ from trainers.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from trainers.registry import builtin_trainer
+from trainers.recipe import recipe_for
 
 GPT_CONFIG = {"vocab_size": 16, "d_model": 16, "n_layers": 1, "n_heads": 2}
 
@@ -73,7 +73,7 @@ def test_a_checkpoint_in_s3_loads_and_rebuilds_its_model(s3: S3, tmp_path: Path)
         }
     )
     torch.manual_seed(0)
-    trainer = builtin_trainer(spec)
+    trainer = recipe_for(spec)
     model = trainer.build_model({"seq_len": 8})
     optimizer, lr_schedule = trainer.build_optimizer(model, max_steps=spec.max_steps)
     parts = TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule)

@@ -27,6 +27,7 @@ from trainers.data import ID_COLUMN, inspect_dataset
 from trainers.data_order import Slice
 from trainers.data_stream import build_epoch_dataset
 from trainers.launch import run
+from trainers.recipe import recipe_for
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -95,7 +96,7 @@ def test_order_is_reproducible_follows_the_plan_and_resumes_exactly(
 
     # What the ranks read is exactly the pure plan: disjoint rank ranges, shuffled within windows.
     spec = gpt_request(data=dataset, storage=storage, run_name="x", max_steps=24, trace_dir=trace_dir).spec
-    units = inspect_dataset(spec).read_units()
+    units = inspect_dataset(spec, recipe=recipe_for(spec)).read_units()
     for rank in (0, 1):
         assert [epoch for epoch, _ in a[rank]] == [0] * 18 + [1] * 6
         for epoch in (0, 1):
@@ -139,7 +140,7 @@ def test_webdataset_shards_train_in_the_planned_order(
         data_format="webdataset",
     )
     assert run(request).step == 6
-    units = inspect_dataset(request.spec).read_units()
+    units = inspect_dataset(request.spec, recipe=recipe_for(request.spec)).read_units()
     trace = read_trace(trace_dir, "wds")
     for rank in (0, 1):
         expected = rank_row_order(
@@ -190,7 +191,7 @@ def test_a_rank_stream_reads_each_read_task_as_whole_blocks(ray_cluster: str, da
     parallel operator after the read, keeps each task's rows in as few blocks as the size cap allows.
     """
     spec = make_spec(trainer="gpt", dataset=dataset, config=GPT_CONFIG)
-    info = inspect_dataset(spec)
+    info = inspect_dataset(spec, recipe=recipe_for(spec))
     source = info.shard_source(s3_endpoint_url=None, extra_columns=(ID_COLUMN,))
     slices = [Slice(unit, 0, unit.num_rows) for unit in info.read_units()]
 

@@ -17,6 +17,7 @@ from tests.support.order import rank_row_order
 from trainers.data import inspect_dataset
 from trainers.data_order import Unit, rank_slices, rows_per_rank, seek, window_permutation
 from trainers.data_stream import shuffle_windows
+from trainers.recipe import recipe_for
 
 # Uneven units, like row groups of shards of different sizes: 10 units, 503 rows.
 UNITS = [
@@ -138,18 +139,19 @@ def test_inspect_reads_units_from_the_manifest_and_checks_shards(tmp_path: Path)
     shard_dataset(str(source), str(tmp_path / "wds"), data_format="webdataset", num_shards=3)
     config = {"vocab_size": 32, "d_model": 16, "n_heads": 2}
 
-    info = inspect_dataset(make_spec(trainer="gpt", dataset=tmp_path / "pq", config=config))
+    parquet_spec = make_spec(trainer="gpt", dataset=tmp_path / "pq", config=config)
+    info = inspect_dataset(parquet_spec, recipe=recipe_for(parquet_spec))
     assert info.num_rows == 80 and info.format == "parquet" and info.row_shape == {"seq_len": 9}
     assert info.units[:4] == [[0, 0, 10], [0, 1, 10], [0, 2, 6], [1, 0, 10]]
     wds_dataset = {"uri": (tmp_path / "wds").as_uri(), "format": "webdataset"}
     spec = make_spec(trainer="gpt", dataset=wds_dataset, config=config)
-    wds = inspect_dataset(spec)
+    wds = inspect_dataset(spec, recipe=recipe_for(spec))
     assert wds.units == [[0, -1, 26], [1, -1, 27], [2, -1, 27]] and wds.row_shape == {"seq_len": 9}
     assert wds.columns == ["id", "tokens"]
 
     # Without a manifest the tar shards are scanned.
     (tmp_path / "wds" / "_manifest.json").unlink()
-    assert inspect_dataset(spec).units == wds.units
+    assert inspect_dataset(spec, recipe=recipe_for(spec)).units == wds.units
 
     # A corrupt shard fails here, on the driver, before any worker starts.
     shard = tmp_path / "pq" / "shard-00002.parquet"
@@ -157,7 +159,7 @@ def test_inspect_reads_units_from_the_manifest_and_checks_shards(tmp_path: Path)
     data[50] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(DatasetError, match=r"shard-00002\.parquet fails its sha256 check"):
-        inspect_dataset(make_spec(trainer="gpt", dataset=tmp_path / "pq", config=config))
+        inspect_dataset(parquet_spec, recipe=recipe_for(parquet_spec))
 
 
 def test_unshuffled_stream_passes_blocks_through_and_skips_exactly() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from ray import cloudpickle
 
 from trainers.backend import ProcessGroupBackend, ProcessGroupConfig, TorchDeviceContext
-from trainers.launch import builtin_train_loop
+from trainers.launch import recipe_train_loop
 
 
 def run_probe(code: str) -> str:
@@ -31,7 +31,7 @@ def test_the_train_controller_unpickles_the_backend_and_train_function_without_t
     # (pickled by reference to a torch-free module).
     payload = tmp_path / "payload.pkl"
     config = ProcessGroupConfig(backend="nccl", timeout_s=60)
-    payload.write_bytes(cloudpickle.dumps((config, builtin_train_loop)))
+    payload.write_bytes(cloudpickle.dumps((config, recipe_train_loop)))
     probe = (
         "import pickle, sys; "
         f"config, fn = pickle.loads(open({str(payload)!r}, 'rb').read()); "
@@ -39,5 +39,5 @@ def test_the_train_controller_unpickles_the_backend_and_train_function_without_t
         "config.to_dict()['backend'], fn.__name__, 'torch' in sys.modules)"
     )
     assert run_probe(probe) == (
-        f"{ProcessGroupBackend.__name__} {TorchDeviceContext.__name__} TORCH nccl builtin_train_loop False"
+        f"{ProcessGroupBackend.__name__} {TorchDeviceContext.__name__} TORCH nccl recipe_train_loop False"
     )

@@ -27,7 +27,7 @@ from trainers.checkpoint import (
     save_checkpoint,
     train_state_of,
 )
-from trainers.registry import builtin_trainer
+from trainers.recipe import recipe_for
 
 GPT_CONFIG = {"vocab_size": 20, "d_model": 16, "n_layers": 1, "n_heads": 2, "warmup_steps": 2}
 
@@ -37,7 +37,7 @@ def draws() -> tuple[float, float, float]:
 
 
 def build_parts(spec: JobSpec, row_shape: dict[str, int]) -> TrainParts:
-    trainer = builtin_trainer(spec)
+    trainer = recipe_for(spec)
     model = trainer.build_model(row_shape)
     optimizer, lr_schedule = trainer.build_optimizer(model, max_steps=spec.max_steps)
     return TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule)
@@ -46,7 +46,7 @@ def build_parts(spec: JobSpec, row_shape: dict[str, int]) -> TrainParts:
 def test_round_trip_restores_training_state(tmp_path: Path) -> None:
     spec = make_spec(trainer="gpt", dataset="file:///unused", config=GPT_CONFIG, max_steps=10)
     row_shape = {"seq_len": 9}
-    trainer = builtin_trainer(spec)
+    trainer = recipe_for(spec)
     parts = build_parts(spec, row_shape)
     for _ in range(3):
         loss = trainer.loss(parts.model, {"tokens": torch.randint(0, 20, (4, 9))})

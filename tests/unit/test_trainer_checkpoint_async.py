@@ -31,7 +31,7 @@ from trainers.checkpoint import (
     save_checkpoint,
     take_snapshot,
 )
-from trainers.registry import builtin_trainer
+from trainers.recipe import recipe_for
 
 MLP = {"num_classes": 3, "hidden_sizes": [32]}
 ROW_SHAPE = {"input_size": 6}
@@ -39,7 +39,7 @@ LOCAL = pafs.LocalFileSystem()
 
 
 def build_parts(spec: JobSpec) -> TrainParts:
-    trainer = builtin_trainer(spec)
+    trainer = recipe_for(spec)
     model = trainer.build_model(ROW_SHAPE)
     optimizer, lr_schedule = trainer.build_optimizer(model, max_steps=spec.max_steps)
     return TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule)

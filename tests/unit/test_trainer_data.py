@@ -15,7 +15,8 @@ from service.contract.spec import MLPConfig
 from tests.support.datasets import write_classes, write_tokens
 from tests.support.jobs import make_spec
 from trainers.data import DatasetInfo, inspect_dataset
-from trainers.registry import GPTCollate, MLPCollate, builtin_trainer
+from trainers.recipe import recipe_for
+from trainers.recipes import GPTCollate, MLPCollate
 
 GPT_CONFIG = {"vocab_size": 32, "d_model": 16, "n_heads": 2}
 
@@ -23,7 +24,7 @@ GPT_CONFIG = {"vocab_size": 32, "d_model": 16, "n_heads": 2}
 def test_inspect_gpt_dataset(tmp_path: Path) -> None:
     folder = write_tokens(tmp_path / "tokens", rows=100, seq_len=9, shards=3)
     spec = make_spec(trainer="gpt", dataset=folder, config=GPT_CONFIG)
-    info = inspect_dataset(spec)
+    info = inspect_dataset(spec, recipe=recipe_for(spec))
     assert info.num_rows == 100 and len(info.files) == 3
     assert info.columns == ["id", "tokens"]
     assert info.row_shape == {"seq_len": 9}
@@ -34,7 +35,7 @@ def test_inspect_gpt_dataset(tmp_path: Path) -> None:
 def test_inspect_mlp_dataset(tmp_path: Path) -> None:
     folder = write_classes(tmp_path / "cls", rows=64, num_features=6)
     spec = make_spec(trainer="mlp", dataset=folder, config={"num_classes": 3})
-    assert inspect_dataset(spec).row_shape == {"input_size": 6}
+    assert inspect_dataset(spec, recipe=recipe_for(spec)).row_shape == {"input_size": 6}
 
 
 @pytest.mark.parametrize(
@@ -73,21 +74,21 @@ def test_inspect_refuses_datasets_that_cannot_feed_the_trainer(
     pq.write_table(table, tmp_path / "part.parquet")
     spec = make_spec(trainer=trainer, dataset=tmp_path, config=config, num_workers=1, batch_size=1)
     with pytest.raises(DatasetError, match=message):
-        inspect_dataset(spec)
+        inspect_dataset(spec, recipe=recipe_for(spec))
 
 
 def test_inspect_refuses_missing_empty_and_too_small(tmp_path: Path) -> None:
     spec = make_spec(trainer="gpt", dataset=tmp_path / "nowhere", config=GPT_CONFIG)
     with pytest.raises(DatasetError, match="does not exist"):
-        inspect_dataset(spec)
+        inspect_dataset(spec, recipe=recipe_for(spec))
     (tmp_path / "empty").mkdir()
     spec = make_spec(trainer="gpt", dataset=tmp_path / "empty", config=GPT_CONFIG)
     with pytest.raises(DatasetError, match=r"has no \.parquet files"):
-        inspect_dataset(spec)
+        inspect_dataset(spec, recipe=recipe_for(spec))
     small = write_tokens(tmp_path / "small", rows=20, shards=1)
     spec = make_spec(trainer="gpt", dataset=small, config=GPT_CONFIG, num_workers=2, batch_size=16)
     with pytest.raises(DatasetError, match=r"has 20 rows but one step needs .* = 32"):
-        inspect_dataset(spec)
+        inspect_dataset(spec, recipe=recipe_for(spec))
 
 
 def test_collates_turn_arrow_batches_into_tensors() -> None:
@@ -118,5 +119,5 @@ def test_collates_name_bad_rows() -> None:
 
 def test_build_collate_matches_the_trainer() -> None:
     spec = make_spec(trainer="gpt", dataset="file:///d", config=GPT_CONFIG)
-    collate = builtin_trainer(spec).build_collate({"seq_len": 5}, uri="file:///d")
+    collate = recipe_for(spec).build_collate({"seq_len": 5}, uri="file:///d")
     assert isinstance(collate, GPTCollate) and collate.seq_len == 5 and collate.vocab_size == 32

@@ -13,17 +13,21 @@ from ray import cloudpickle
 
 from service.contract.errors import DatasetError
 from service.contract.protocol import LAUNCH_ENV_VAR, MAX_REASON_CHARS, WORKER_FAILED, error_line
+from service.contract.trainer_kind import TrainerKind
 from tests.support.jobs import make_request, make_spec
 from tests.support.telemetry import TelemetryServer
 from trainers.launch import (
     TrainingFailed,
     build_scaling_config,
-    custom_trainer,
     failure_reason,
     is_own_failure,
     load_custom_trainer,
     main,
     post_restart,
+    recipe_train_loop,
+    run,
+    train_function_for,
+    trainer_kind,
 )
 
 
@@ -87,11 +91,12 @@ def test_scaling_config_is_fixed_or_elastic(num_workers: Any, expected: Any) -> 
     assert spread.placement_strategy == "STRICT_SPREAD"
 
 
-def test_a_custom_trainer_is_checked_on_the_driver_without_importing_it(
+def test_a_trainers_kind_is_told_on_the_driver_without_importing_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The driver finds the module and the name in its source (a typo fails before any worker
-    starts), and imports nothing: the module, which imports torch, is imported on the workers."""
+    """The driver finds the module and reads the name's kind from its source (a typo fails before any
+    worker starts), and imports nothing when the source tells: a function trainer's module, which
+    imports torch, is imported on the workers."""
     package = tmp_path / "labtrainers"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -100,19 +105,52 @@ def test_a_custom_trainer_is_checked_on_the_driver_without_importing_it(
         "from math import sqrt as helper\n"
         "try:\n    import torch\nexcept ImportError:\n    torch = None\n"
         "def train(config):\n    inner = 1\n    return inner\n"
+        "def own(ctx: TrainContext):\n    pass\n"
+        "class Model(Recipe):\n    pass\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    function = custom_trainer("labtrainers.loops:train")
+    assert trainer_kind("labtrainers.loops:train") is TrainerKind.RAY_FUNCTION
+    assert trainer_kind("labtrainers.loops:own") is TrainerKind.LOOP
+    assert trainer_kind("labtrainers.loops:Model") is TrainerKind.RECIPE
+    assert trainer_kind("gpt") is trainer_kind("mlp") is TrainerKind.RECIPE
+    function = train_function_for(TrainerKind.RAY_FUNCTION, "labtrainers.loops:train")
     assert isinstance(function, functools.partial) and function.args == ("labtrainers.loops:train",)
+    assert train_function_for(TrainerKind.RECIPE, "gpt") is recipe_train_loop
     assert "labtrainers.loops" not in sys.modules
-    assert callable(custom_trainer("labtrainers.loops:helper"))  # an import binds a name too
-    with pytest.raises(ValueError, match=r"module 'labtrainers\.loops' has no function 'inner'"):
-        custom_trainer("labtrainers.loops:inner")  # a local of a function is not the module's
+    with pytest.raises(ValueError, match=r"module 'labtrainers\.loops' has no 'inner'"):
+        trainer_kind("labtrainers.loops:inner")  # a local of a function is not the module's
     with pytest.raises(ValueError, match=r"cannot find module 'labtrainers\.nope'"):
-        custom_trainer("labtrainers.nope:train")
-    with pytest.raises(ValueError, match=r"package\.module:function"):
-        custom_trainer("labtrainers.loops")
+        trainer_kind("labtrainers.nope:train")
+    with pytest.raises(ValueError, match=r"package\.module:Name"):
+        trainer_kind("labtrainers.loops")
+    # A name the source cannot tell (an import) is looked at after importing the module, here.
+    with pytest.raises(SystemExit, match="imported on the driver"):
+        trainer_kind("labtrainers.loops:helper")
+
+
+def test_a_trainer_the_source_cannot_tell_is_imported_to_look(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "labdynamic.py").write_text(
+        "from __future__ import annotations\n"
+        "import functools\n"
+        "from tests.support.jobs import make_spec as helper\n"
+        "class TrainContext: ...\n"
+        "def _own(ctx: TrainContext) -> None: ...\n"
+        "def _plain(config): ...\n"
+        "class _Recipe: ...\n"
+        "own = functools.wraps(_own)(lambda ctx: None)\n"
+        "own.__annotations__ = {'ctx': 'TrainContext'}\n"
+        "plain, recipe, number = _plain, _Recipe, 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert trainer_kind("labdynamic:own") is TrainerKind.LOOP
+    assert trainer_kind("labdynamic:plain") is TrainerKind.RAY_FUNCTION
+    assert trainer_kind("labdynamic:recipe") is TrainerKind.RECIPE
+    assert trainer_kind("labdynamic:helper") is TrainerKind.RAY_FUNCTION
+    with pytest.raises(ValueError, match="neither a recipe class nor a function"):
+        trainer_kind("labdynamic:number")
 
 
 def test_load_custom_trainer() -> None:
@@ -121,9 +159,9 @@ def test_load_custom_trainer() -> None:
     assert load_custom_trainer("os.path:join") is os.path.join
     with pytest.raises(ValueError, match=r"cannot import module 'no_such_pkg\.mod'"):
         load_custom_trainer("no_such_pkg.mod:fn")
-    with pytest.raises(ValueError, match="has no function 'nope'"):
+    with pytest.raises(ValueError, match="has no 'nope'"):
         load_custom_trainer("os.path:nope")
-    with pytest.raises(ValueError, match=r"package\.module:function"):
+    with pytest.raises(ValueError, match=r"package\.module:Name"):
         load_custom_trainer("os.path")
 
 
@@ -162,3 +200,21 @@ def test_each_restart_is_posted_as_a_worker_failed_event(
         (WORKER_FAILED, f"worker group failed ({ranks}); {then}"),
         (WORKER_FAILED, f"worker group failed (the controller); {then}"),
     ]
+
+
+def test_a_recipe_config_error_fails_the_job_on_the_driver_naming_the_field(tmp_path: Path) -> None:
+    """Before any worker starts (no Ray here at all), with one line: the job's reason."""
+    spec = make_spec(
+        trainer="tests.support.recipes:CountingLM",
+        name="counting-lm",
+        dataset=tmp_path / "unused",
+        config={"vocab_size": 32, "lr": -1},
+    )
+    with pytest.raises(ValueError) as caught:
+        run(make_request(spec, storage=tmp_path, run_name="r"))
+    assert failure_reason(caught.value) == "config.lr: Input should be greater than 0"
+    not_a_recipe = spec.model_copy(update={"trainer": "tests.support.recipes:NotARecipe"})
+    with pytest.raises(
+        ValueError, match=r"NotARecipe is not a recipe \(a subclass of trainers\.recipe\.Recipe\)"
+    ):
+        run(make_request(not_a_recipe, storage=tmp_path, run_name="r"))

@@ -43,7 +43,7 @@ from trainers.parallel import (
     is_sharded,
     parallelize,
 )
-from trainers.registry import builtin_trainer
+from trainers.recipe import recipe_for
 
 GPT_CONFIG = {"vocab_size": 24, "d_model": 16, "n_layers": 2, "n_heads": 2, "warmup_steps": 2, "lr": 1e-2}
 ROW_SHAPE = {"seq_len": 9}
@@ -100,7 +100,7 @@ def _worker(rank: int, world_size: int, task: str, folder: str, spec_json: dict[
 
 def build_parts(spec: JobSpec, *, wrap: bool) -> TrainParts:
     """Model (wrapped for `spec.strategy` over the process group), optimizer and LR schedule."""
-    trainer = builtin_trainer(spec)
+    trainer = recipe_for(spec)
     model = trainer.build_model(ROW_SHAPE)
     if wrap:
         model = parallelize(model, strategy=spec.strategy, device=CPU)
@@ -110,7 +110,7 @@ def build_parts(spec: JobSpec, *, wrap: bool) -> TrainParts:
 
 def _run_task(rank: int, world_size: int, task: str, folder: str, spec_json: dict[str, Any]) -> None:
     spec = JobSpec.model_validate(spec_json)
-    trainer = builtin_trainer(spec)
+    trainer = recipe_for(spec)
     torch.manual_seed(spec.seed)
     parts = build_parts(spec, wrap=True)
     model, optimizer = parts.model, parts.optimizer
@@ -259,7 +259,7 @@ def test_fsdp_units_auto_is_one_unit_for_a_small_model_on_cpu_and_one_per_block_
 def test_fsdp_shards_nothing_for_one_worker_and_its_options_shape_the_units() -> None:
     def gpt() -> torch.nn.Module:
         torch.manual_seed(0)
-        return builtin_trainer(gpt_spec()).build_model(ROW_SHAPE)
+        return recipe_for(gpt_spec()).build_model(ROW_SHAPE)
 
     def as_gpt(model: torch.nn.Module) -> GPT:
         assert isinstance(model, GPT)  # fully_shard keeps the class (it subclasses it)
@@ -305,7 +305,7 @@ def test_fsdp_shards_nothing_for_one_worker_and_its_options_shape_the_units() ->
         # bf16 as FSDP2's mixed precision: bf16 compute, fp32 output for the loss, fp32 shards kept;
         # autocast stands aside for a sharded model.
         spec = gpt_spec(strategy="fsdp", precision="bf16")
-        trainer = builtin_trainer(spec)
+        trainer = recipe_for(spec)
         model = parallelize(gpt(), strategy=Strategy.FSDP, device=CPU, precision="bf16", max_workers=2)
         optimizer, _ = trainer.build_optimizer(model, max_steps=spec.max_steps)
         tokens = batch_for(0, rank=0, world_size=1)["tokens"]
@@ -329,7 +329,7 @@ def test_fsdp_shards_nothing_for_one_worker_and_its_options_shape_the_units() ->
 
 def test_bf16_autocast_trains_on_cpu() -> None:
     spec = gpt_spec(precision="bf16", num_workers=1)
-    trainer = builtin_trainer(spec)
+    trainer = recipe_for(spec)
     torch.manual_seed(0)
     parts = build_parts(spec, wrap=False)
     model, optimizer = parts.model, parts.optimizer
@@ -355,6 +355,6 @@ def test_precision_must_be_known() -> None:
 
 
 def test_without_a_process_group_the_model_is_only_moved() -> None:
-    model = builtin_trainer(gpt_spec()).build_model(ROW_SHAPE)
+    model = recipe_for(gpt_spec()).build_model(ROW_SHAPE)
     assert parallelize(model, strategy=Strategy.DDP, device=CPU) is model
     assert parallelize(model, strategy=Strategy.FSDP, device=CPU) is model

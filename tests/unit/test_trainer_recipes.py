@@ -1,4 +1,5 @@
-"""The built-in trainers (`trainers.registry`): models, losses, optimizers and schedules."""
+"""The recipe protocol (`trainers.recipe`) and the built-in recipes (`trainers.recipes`): loading,
+config errors, models, losses, optimizers and schedules."""
 
 from __future__ import annotations
 
@@ -12,27 +13,69 @@ import torch
 from service.contract.spec import BUILTIN_CONFIGS, GPTConfig
 from tests.support.jobs import make_spec
 from trainers.models import GPT, MLP
-from trainers.registry import REGISTRY, BuiltinTrainer, GPTTrainer, MLPTrainer, builtin_trainer, lr_factor
+from trainers.recipe import BUILTIN_RECIPES, Recipe, recipe_class, recipe_for, split_loss
+from trainers.recipes import GPTRecipe, MLPRecipe, lr_factor
 
 GPT_CONFIG = {"vocab_size": 50, "d_model": 32, "n_layers": 2, "n_heads": 4, "warmup_steps": 10}
 
 
-def gpt(**fields: Any) -> BuiltinTrainer[Any]:
-    return builtin_trainer(make_spec(trainer="gpt", dataset="file:///unused", config=GPT_CONFIG, **fields))
+def gpt(**fields: Any) -> Recipe[Any]:
+    return recipe_for(make_spec(trainer="gpt", dataset="file:///unused", config=GPT_CONFIG, **fields))
 
 
-def mlp(config: dict[str, Any]) -> BuiltinTrainer[Any]:
-    return builtin_trainer(make_spec(trainer="mlp", dataset="file:///unused", config=config))
+def mlp(config: dict[str, Any]) -> Recipe[Any]:
+    return recipe_for(make_spec(trainer="mlp", dataset="file:///unused", config=config))
 
 
-def test_every_builtin_name_has_one_trainer_with_the_specs_config_schema() -> None:
-    assert {name: trainer.config_type for name, trainer in REGISTRY.items()} == BUILTIN_CONFIGS
+def test_every_builtin_name_is_a_recipe_with_the_specs_config_schema() -> None:
+    assert {name: recipe_class(name).config_type for name in BUILTIN_RECIPES} == BUILTIN_CONFIGS
     trainer = gpt()
-    assert isinstance(trainer, GPTTrainer) and isinstance(trainer.config, GPTConfig)
-    assert isinstance(mlp({"num_classes": 3}), MLPTrainer)
-    custom = make_spec(trainer="my_pkg.train:loop", name="custom", dataset="file:///unused", config={})
-    with pytest.raises(ValueError, match="is not a built-in trainer"):
-        builtin_trainer(custom)
+    assert isinstance(trainer, GPTRecipe) and isinstance(trainer.config, GPTConfig)
+    assert isinstance(mlp({"num_classes": 3}), MLPRecipe)
+    # A built-in goes the way any recipe does: by its `package.module:ClassName`.
+    assert recipe_class("trainers.recipes:GPTRecipe") is recipe_class("gpt") is GPTRecipe
+
+
+def test_a_name_that_is_no_recipe_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"cannot import module 'my_pkg\.train'"):
+        recipe_class("my_pkg.train:Loop")
+    with pytest.raises(ValueError, match=r"module 'trainers\.recipes' has no 'Nope'"):
+        recipe_class("trainers.recipes:Nope")
+    with pytest.raises(
+        ValueError, match=r"lr_factor is not a recipe \(a subclass of trainers\.recipe\.Recipe\)"
+    ):
+        recipe_class("trainers.recipes:lr_factor")
+
+
+def test_a_config_error_is_one_line_naming_the_field() -> None:
+    spec = make_spec(trainer="gpt", dataset="file:///unused", config=GPT_CONFIG)
+    with pytest.raises(ValueError) as caught:
+        recipe_for(spec.model_copy(update={"config": {**GPT_CONFIG, "d_model": "wide"}}))
+    assert (
+        str(caught.value)
+        == "config.d_model: Input should be a valid integer, unable to parse string as an integer"
+    )
+    with pytest.raises(ValueError, match=r"^config\.vocab_size: Field required$"):
+        recipe_for(spec.model_copy(update={"config": {}}))
+    with pytest.raises(ValueError, match=r"^config\.extra: Extra inputs are not permitted$"):
+        recipe_for(spec.model_copy(update={"config": {**GPT_CONFIG, "extra": 1}}))
+
+
+def test_a_loss_may_come_with_metrics() -> None:
+    loss = torch.tensor(2.0)
+    assert split_loss(loss) == (loss, {})
+    assert split_loss((loss, {"accuracy": 0.5})) == (loss, {"accuracy": 0.5})
+    with pytest.raises(TypeError, match="loss tensor or"):
+        split_loss((loss, 0.5))  # type: ignore[arg-type]
+
+
+def test_the_default_evaluation_is_the_loss_and_its_metrics() -> None:
+    trainer = mlp({"num_classes": 3})
+    model = trainer.build_model({"input_size": 8})
+    batch = {"features": torch.randn(5, 8), "label": torch.tensor([0, 1, 2, 1, 0])}
+    metrics = trainer.evaluate(model, batch)
+    assert set(metrics) == {"loss"}
+    assert torch.equal(torch.as_tensor(metrics["loss"]), trainer.loss(model, batch))
 
 
 def test_mlp_classification_forward_backward() -> None:

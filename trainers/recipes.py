@@ -1,9 +1,8 @@
-"""The built-in trainers, one object each: what rows they read, how rows become tensors, the model, its
-loss and its optimizer.
+"""The built-in trainers as recipes (`trainers.recipe`): `mlp` is `MLPRecipe`, `gpt` is `GPTRecipe`.
 
-`builtin_trainer(spec)` validates the spec's `config` against the trainer's schema once (the schemas
-are `service.contract.spec.BUILTIN_CONFIGS`, which the API checks at submission) and returns the trainer
-bound to it. Adding a built-in trainer is one class here and its config schema there.
+They go through exactly the path of any `trainer: package.module:ClassName`; their config schemas are
+`service.contract.spec.BUILTIN_CONFIGS`, so that the API also checks a built-in's `config` at
+submission without importing this module.
 
 - `mlp`: rows of `features` (a list of numbers, the same length in every row; its length is the
   model's input size) and `label` (an integer class for classification, a number for regression).
@@ -13,30 +12,35 @@ bound to it. Adding a built-in trainer is one class here and its config schema t
   transformer (`trainers.models.GPT`) reads `tokens[:, :-1]` and predicts `tokens[:, 1:]`, so its
   context is L - 1. AdamW (weight decay on matrices only), linear warmup over `warmup_steps`, then
   cosine decay to `MIN_LR_RATIO` of `lr` at `max_steps`; gradients clipped to `grad_clip`.
+  `GPTRecipe.check_columns` and `GPTCollate` read the token parquet format for any causal LM recipe.
 
-Custom trainers (`package.module:function`) are not registered: they bring their own train loop
-(`trainers.launch.custom_trainer`).
-
-This module imports no torch: the job driver uses the column checks, and only the workers, which
-build models and tensors, import torch (inside the methods that need it).
+This module imports no torch at module level: the job's driver imports it for the column checks and
+the config schema, and only the workers, which build models and tensors, import torch (inside the
+methods that need it).
 """
 
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel
 
 from service.contract.errors import DatasetError
-from service.contract.spec import BUILTIN_CONFIGS, GPTConfig, JobSpec, MLPConfig
-from service.contract.storage import is_list_type, is_number_type
+from service.contract.spec import GPTConfig, MLPConfig
+from service.contract.storage import is_number_type
+from trainers.recipe import (
+    Collate,
+    Recipe,
+    RowShape,
+    first_row_length,
+    require_column,
+    require_list_column,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -45,51 +49,8 @@ if TYPE_CHECKING:
 # Cosine decay ends at this fraction of the peak learning rate.
 MIN_LR_RATIO = 0.1
 
-ConfigT = TypeVar("ConfigT", bound=BaseModel)
-# What the driver learns from the data that sizes the model: {"input_size": n} | {"seq_len": L}.
-RowShape = dict[str, int]
-# Arrow rows -> a batch of tensors (what `BuiltinTrainer.loss` takes); it runs on the workers.
-Collate = Callable[[pa.Table], dict[str, "torch.Tensor"]]
 
-
-class BuiltinTrainer(ABC, Generic[ConfigT]):
-    """A built-in trainer bound to one job's validated config."""
-
-    name: ClassVar[str]
-    config_type: ClassVar[type[BaseModel]]
-    read_columns: ClassVar[tuple[str, ...]]
-
-    def __init__(self, config: ConfigT) -> None:
-        self.config = config
-
-    @abstractmethod
-    def check_columns(self, schema: pa.Schema, first_row: pa.Table, *, uri: str) -> RowShape:
-        """Raise `DatasetError` unless these columns can feed the trainer; return the row shape."""
-
-    @abstractmethod
-    def build_collate(self, row_shape: RowShape, *, uri: str) -> Collate:
-        """Arrow rows -> the batch of tensors that `loss` takes."""
-
-    @abstractmethod
-    def build_model(self, row_shape: RowShape) -> nn.Module: ...
-
-    @abstractmethod
-    def loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor: ...
-
-    @abstractmethod
-    def build_optimizer(
-        self, model: nn.Module, *, max_steps: int
-    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-        """The optimizer and its per-step LR schedule (call after the model is wrapped and placed)."""
-
-    @property
-    def grad_clip(self) -> float | None:
-        """The gradient-norm clip; None measures the norm without clipping."""
-        return None
-
-
-class MLPTrainer(BuiltinTrainer[MLPConfig]):
-    name = "mlp"
+class MLPRecipe(Recipe[MLPConfig]):
     config_type = MLPConfig
     read_columns = ("features", "label")
 
@@ -131,8 +92,7 @@ class MLPTrainer(BuiltinTrainer[MLPConfig]):
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _constant)
 
 
-class GPTTrainer(BuiltinTrainer[GPTConfig]):
-    name = "gpt"
+class GPTRecipe(Recipe[GPTConfig]):
     config_type = GPTConfig
     read_columns = ("tokens",)
 
@@ -179,20 +139,6 @@ class GPTTrainer(BuiltinTrainer[GPTConfig]):
         return self.config.grad_clip
 
 
-REGISTRY: dict[str, type[BuiltinTrainer[Any]]] = {
-    trainer.name: trainer for trainer in (MLPTrainer, GPTTrainer)
-}
-assert {name: trainer.config_type for name, trainer in REGISTRY.items()} == BUILTIN_CONFIGS
-
-
-def builtin_trainer(spec: JobSpec) -> BuiltinTrainer[Any]:
-    """The built-in trainer `spec.trainer`, bound to `spec.config` (validated here, once)."""
-    trainer = REGISTRY.get(spec.trainer)
-    if trainer is None:
-        raise ValueError(f"trainer {spec.trainer!r} is not a built-in trainer ({', '.join(REGISTRY)})")
-    return trainer(trainer.config_type.model_validate(spec.config))
-
-
 def lr_factor(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float = MIN_LR_RATIO) -> float:
     """Multiplier of the peak LR for optimizer step `step` (0-based): linear warmup, then cosine.
 
@@ -209,37 +155,10 @@ def _constant(step: int) -> float:
     return 1.0
 
 
-# -- column checks (on the driver, before any worker starts) ------------------------------------------
-
-
-def require_column(schema: pa.Schema, *, uri: str, name: str, want: str, ok: Any) -> None:
-    if name not in schema.names:
-        raise DatasetError(f"dataset {uri} has no column {name!r} (columns: {', '.join(schema.names)})")
-    data_type = schema.field(name).type
-    if not ok(data_type):
-        raise DatasetError(f"dataset {uri}: column {name!r} must be {want}, got {data_type}")
-
-
-def require_list_column(schema: pa.Schema, *, uri: str, name: str, of: str, ok: Any) -> None:
-    """`name` must be a list column whose values pass `ok` (described by `of`)."""
-
-    def list_ok(data_type: pa.DataType) -> bool:
-        return is_list_type(data_type) and bool(ok(data_type.value_type))
-
-    require_column(schema, uri=uri, name=name, want=f"a list of {of}", ok=list_ok)
-
-
-def first_row_length(first_row: pa.Table, *, uri: str, name: str) -> int:
-    first = first_row.column(name)[0]
-    if not first.is_valid:
-        raise DatasetError(f"dataset {uri}: the first row of {name!r} is null")
-    return len(first)
-
-
 # -- collate functions (on the workers): Arrow batches -> tensors ---------------------------------------
 
 
-def _fixed_width(column: pa.ChunkedArray, *, width: int, name: str, uri: str) -> np.ndarray:
+def fixed_width(column: pa.ChunkedArray, *, width: int, name: str, uri: str) -> np.ndarray:
     array = column.combine_chunks()
     if array.null_count:
         raise DatasetError(f"dataset {uri}: column {name!r} has null rows")
@@ -264,9 +183,7 @@ class MLPCollate:
     def __call__(self, batch: pa.Table) -> dict[str, torch.Tensor]:
         import torch
 
-        features = _fixed_width(
-            batch.column("features"), width=self.input_size, name="features", uri=self.uri
-        )
+        features = fixed_width(batch.column("features"), width=self.input_size, name="features", uri=self.uri)
         labels = batch.column("label").to_numpy()
         if self.config.task == "classification":
             num_classes = self.config.num_classes
@@ -293,7 +210,7 @@ class GPTCollate:
     def __call__(self, batch: pa.Table) -> dict[str, torch.Tensor]:
         import torch
 
-        tokens = _fixed_width(batch.column("tokens"), width=self.seq_len, name="tokens", uri=self.uri)
+        tokens = fixed_width(batch.column("tokens"), width=self.seq_len, name="tokens", uri=self.uri)
         if tokens.min() < 0 or tokens.max() >= self.vocab_size:
             raise DatasetError(
                 f"dataset {self.uri}: token ids must be in [0, vocab_size={self.vocab_size}), "
