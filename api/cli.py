@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from api import cli_admin, cli_db, cli_jobs
 from api.cli_plan import plan_command
@@ -42,10 +43,10 @@ def _need(command: str, *extras: str, why: str = "") -> None:
     """Exit 2, naming the extra to install, unless `extras` are installed."""
     absent = missing(*extras)
     if absent:
-        extra = f"apiary[{','.join(extras)}]"
+        needs = f"apiary[{','.join(extras)}]{why}"
         console.print(
-            f"[red]error:[/] `apiary {command}` needs {extra}{why} ({', '.join(absent)} not installed): "
-            f"{install_hint(*extras)}"
+            f"[red]error:[/] `apiary {command}` needs {escape(needs)} ({absent[0]} is not installed): "
+            f"{escape(install_hint(*extras))}"
         )
         raise typer.Exit(2)
 
