@@ -1,10 +1,7 @@
 """`pip install apiary` with no extra: a wheel of this checkout in a fresh venv holds the SDK and the
 client commands, none of torch, Ray, FastAPI, SQLAlchemy or psycopg, and drives a running server (SQLite,
 fake cluster) with that venv's `apiary` and `apiary.Client`. The server's and the cluster's commands
-there name the extra to install and exit 2.
-
-The venv installs from a wheelhouse kept between runs (APIARY_TEST_WHEELS, default
-~/.cache/apiary-tests/wheels): filled from the package index the first time, offline after that."""
+there name the extra to install and exit 2. The venv: tests/support/client_venv.py."""
 
 from __future__ import annotations
 
@@ -12,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import textwrap
 from collections.abc import Iterator
@@ -26,9 +22,8 @@ from service.cluster import RayJobStatus
 from tests.conftest import MigratedTemplates, migrated_sqlite
 from tests.integration.conftest import Service
 from tests.integration.test_cli import run_job
+from tests.support.client_venv import build_client_venv
 
-ROOT = Path(__file__).resolve().parents[2]
-WHEELHOUSE = Path(os.environ.get("APIARY_TEST_WHEELS", Path.home() / ".cache" / "apiary-tests" / "wheels"))
 # What a client install must not bring (the server's and the cluster's dependencies).
 ABSENT = ("torch", "ray", "fastapi", "sqlalchemy", "psycopg", "alembic", "uvicorn", "pyarrow")
 
@@ -41,49 +36,13 @@ def database_url(tmp_path: Path, migrated_templates: MigratedTemplates) -> str:
     return migrated_sqlite(tmp_path, migrated_templates)
 
 
-def _pip(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """pip, away from the checkout: there `python -m pip` would see its editable install's metadata
-    (and PYTHONPATH its packages), and take apiary for installed already."""
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    return subprocess.run(
-        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=cwd,
-        env=env,
-    )
-
-
 @pytest.fixture(scope="module")
 def client_venv() -> Iterator[Path]:
-    """A venv with this checkout's wheel and no extra (its `bin/`), in a folder of its own (pytest's
-    basetemp of this module could be cleaned by other pytest runs while the module's tests use it)."""
-    build = Path(tempfile.mkdtemp(prefix="apiary-client-"))
-    source = build / "source"
-    source.mkdir()
-    # The sources a wheel is built from, copied: the build leaves nothing in the checkout.
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    for package in ("apiary", "api", "service", "trainers", "migrations"):
-        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
-    built = _pip(
-        "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(build), str(source), cwd=build
-    )
-    assert built.returncode == 0, built.stderr
-    wheel = next(build.glob("apiary-*.whl"))
-    venv = build / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    python = str(venv / "bin" / "python")
-    install = ("--python", python, "install", "--no-index", "--find-links", str(WHEELHOUSE), str(wheel))
-    installed = _pip(*install, cwd=build)
-    if installed.returncode != 0:  # the first run here: fill the wheelhouse from the index
-        filled = _pip("wheel", "-w", str(WHEELHOUSE), str(wheel), cwd=build)
-        assert filled.returncode == 0, filled.stderr
-        installed = _pip(*install, cwd=build)
-    assert installed.returncode == 0, installed.stderr
-    yield venv / "bin"
-    shutil.rmtree(build, ignore_errors=True)
+    """The client venv's `bin/`, in a folder of its own (pytest's basetemp of this module could be
+    cleaned by other pytest runs while the module's tests use it)."""
+    folder = Path(tempfile.mkdtemp(prefix="apiary-client-"))
+    yield build_client_venv(folder)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run(
