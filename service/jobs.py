@@ -64,6 +64,7 @@ from service.contract.queues import QueueConfig
 from service.contract.spec import JobSpec, Queue
 from service.contract.states import JobState, StopReason
 from service.contract.storage import node_local
+from service.contract.trainer_kind import TrainerKind, TrainerNotDefined, kind_of_trainer, kind_refusal
 from service.observability import Gauges, Metrics, RunningJob
 from service.planning.formulas import Plan
 from service.planning.measured import measured_plan
@@ -95,6 +96,27 @@ class Submission:
 
     job: Job
     replayed: bool
+
+
+def _installed_kind(trainer: str) -> TrainerKind | None:
+    """The kind of a trainer installed beside the service, from its module's source (imports nothing);
+    None when the source cannot tell. Raises `InvalidSpec` (field `trainer`) when it lacks the name."""
+    try:
+        return kind_of_trainer(trainer)
+    except TrainerNotDefined:
+        module, _, name = trainer.partition(":")
+        raise InvalidSpec(
+            f"trainer {trainer!r}: module {module!r} has no {name!r}", field="trainer"
+        ) from None
+
+
+def _check_kind(spec: JobSpec, kind: TrainerKind | None) -> None:
+    """Raise `InvalidSpec` naming the first field that a trainer of `kind` cannot honor
+    (`service.contract.trainer_kind.kind_refusal`); an unknown kind is the job's driver's to check."""
+    given = {"checkpoint.async"} if "async_" in spec.checkpoint.model_fields_set else set()
+    refused = kind_refusal(spec, kind, given=given)
+    if refused is not None:
+        raise InvalidSpec(f"{refused.field}: {refused.message}", field=refused.field)
 
 
 def _resumed_from(batch: TelemetryBatch) -> int | None:
@@ -153,12 +175,22 @@ class Comparison:
     spec_diff: dict[str, list[Any]]  # dotted spec key -> each job's value, where they differ
 
 
+REPORT_REFUSED = (
+    "job {job_id}: telemetry is taken only from its current attempt, with that attempt's report token "
+    "(Authorization: Bearer)"
+)
+GIVEN_UP_HASHES_KEPT = 10_000
+
+
 @dataclass(kw_only=True)
 class JobService:
     db: Database
     backend: ClusterBackend
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
+    # (job, attempt) -> the SHA-256 of a given-up attempt's report token (None: it has none), read from
+    # its handoff folder once: a post with a wrong token must not cost a storage read each time.
+    _given_up_hashes: dict[tuple[int, int], str | None] = field(default_factory=dict, repr=False)
 
     @property
     def code(self) -> CodeStore:
@@ -192,16 +224,19 @@ class JobService:
         package = self._code_of(spec, by=by)
         # A trainer from the job's own code is the owner's to run: the allowlist is for what is
         # installed beside the service.
-        from_code = package is not None and trainer_in_code(package[0], spec.trainer)[0]
+        from_code, kind = trainer_in_code(package[0], spec.trainer) if package is not None else (False, None)
         if not from_code:
             check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
-        check_dataset(
-            spec.dataset.uri,
-            roots=self.settings.resolved_data_roots,
-            data_format=spec.dataset.format,
-            s3_endpoint_url=self.settings.s3_endpoint_url,
-            timeout_s=self.settings.dataset_check_timeout_s,
-        )
+            kind = _installed_kind(spec.trainer)
+        _check_kind(spec, kind)
+        if spec.dataset is not None:
+            check_dataset(
+                spec.dataset.uri,
+                roots=self.settings.resolved_data_roots,
+                data_format=spec.dataset.format,
+                s3_endpoint_url=self.settings.s3_endpoint_url,
+                timeout_s=self.settings.dataset_check_timeout_s,
+            )
         if spec.eval is not None:
             check_dataset(
                 spec.eval.dataset.uri,
@@ -485,22 +520,45 @@ class JobService:
             self.metrics.job_restarted(queue=job.queue)
         return TelemetryReply(stored=stored, stop=stop, superseded=superseded)
 
+    def check_report_token(self, job_id: int, token: str | None) -> None:
+        """Before a telemetry post's body is read (api.gate): `ReportRefused` unless `token` is the
+        report token of the job's current attempt or of one it gave up, so that a post without it costs
+        one lookup whatever its size. `ingest` then checks the body against the token."""
+        if token is None:
+            raise ReportRefused(REPORT_REFUSED.format(job_id=job_id))
+        with self.db.session() as session:
+            job = repository.get_job(session, job_id)
+            attempt, current = job.attempt, job.report_token_hash
+        if not token_matches(token, current) and not any(
+            token_matches(token, self._given_up_hash(job_id, earlier))
+            for earlier in range(attempt - 1, 0, -1)
+        ):
+            raise ReportRefused(REPORT_REFUSED.format(job_id=job_id))
+
+    def _given_up_hash(self, job_id: int, attempt: int) -> str | None:
+        key = (job_id, attempt)
+        if key not in self._given_up_hashes:
+            pointer = LaunchPointer(
+                job_id=job_id,
+                attempt=attempt,
+                handoff_uri=handoff_uri(self.settings.resolved_storage_uri, job_id=job_id, attempt=attempt),
+                s3_endpoint_url=self.settings.s3_endpoint_url,
+            )
+            try:
+                issued: str | None = token_hash(read_token(pointer))
+            except ValueError:
+                issued = None
+            if len(self._given_up_hashes) >= GIVEN_UP_HASHES_KEPT:
+                self._given_up_hashes.clear()
+            self._given_up_hashes[key] = issued
+        return self._given_up_hashes[key]
+
     def _given_up_attempt(self, job: Job, batch: TelemetryBatch, *, token: str | None) -> bool:
         """True for a post of an attempt that was given up which carries that attempt's own report token
-        (read from its handoff folder: rare, only such posts pay it)."""
+        (read from its handoff folder once: rare, only such posts pay it)."""
         if batch.attempt >= job.attempt or token is None:
             return False
-        pointer = LaunchPointer(
-            job_id=job.id,
-            attempt=batch.attempt,
-            handoff_uri=handoff_uri(self.settings.resolved_storage_uri, job_id=job.id, attempt=batch.attempt),
-            s3_endpoint_url=self.settings.s3_endpoint_url,
-        )
-        try:
-            issued = read_token(pointer)
-        except ValueError:
-            return False
-        return token_matches(token, token_hash(issued))
+        return token_matches(token, self._given_up_hash(job.id, batch.attempt))
 
     def _check_report(self, job: Job, batch: TelemetryBatch, *, token: str | None) -> None:
         if batch.attempt < job.attempt:
@@ -510,10 +568,7 @@ class JobService:
                 f"attempt {batch.attempt} of job {job.id} was given up for attempt {job.attempt}: exit"
             )
         if batch.attempt != job.attempt or not token_matches(token, job.report_token_hash):
-            raise ReportRefused(
-                f"job {job.id}: telemetry is taken only from its current attempt, with that attempt's "
-                "report token (Authorization: Bearer)"
-            )
+            raise ReportRefused(REPORT_REFUSED.format(job_id=job.id))
         storage_uri = self.settings.resolved_storage_uri
         if batch.checkpoint is not None and not is_own_checkpoint(
             batch.checkpoint.uri, storage_uri=storage_uri, job_id=job.id
@@ -585,7 +640,7 @@ class JobService:
                         queue=job.queue,
                         step=job.latest_step,
                         samples_per_s=spec.batch_size * num_workers / job.seconds_per_step
-                        if job.seconds_per_step
+                        if job.seconds_per_step and spec.batch_size is not None
                         else None,
                     )
                 )
@@ -718,7 +773,12 @@ class JobService:
             # Queue anyway: the scheduler admits it once the cluster is back.
             logger.warning("cannot check capacity at submission: %s", err)
             return
-        if len(cluster.nodes) > 1 and not self.settings.shared_filesystem and node_local(spec.dataset.uri):
+        if (
+            spec.dataset is not None
+            and len(cluster.nodes) > 1
+            and not self.settings.shared_filesystem
+            and node_local(spec.dataset.uri)
+        ):
             raise InvalidSpec(
                 f"dataset {spec.dataset.uri} is a local path and the cluster has {len(cluster.nodes)} "
                 "nodes, which cannot all read it: put it in object storage (s3://...), or set "
