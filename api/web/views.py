@@ -48,7 +48,7 @@ HERE = Path(__file__).parent
 QUEUE_PAGE = 50  # queued jobs per queue on a page
 FINISHED_PAGE = 20
 RUNNING_SHOWN = 100
-FINISHED_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+FINISHED_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PRUNED)
 
 # Autoescape everything (Starlette's default only covers some file names).
 templates = Jinja2Templates(

@@ -43,7 +43,7 @@ def test_the_base_install_brings_no_server_or_cluster_dependency() -> None:
 
 def test_dev_is_everything() -> None:
     dev = PROJECT["optional-dependencies"]["dev"]
-    assert "apiary[server,cluster]" in dev
+    assert "apiary[server,cluster,examples]" in dev
 
 
 def test_what_is_missing_is_found_without_importing_it() -> None:

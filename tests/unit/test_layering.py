@@ -90,11 +90,19 @@ def test_the_trainers_import_only_the_contract_and_the_formulas() -> None:
         assert all(shared(name) for name in names if name.startswith("service.")), module
 
 
+# What examples/ may take of Apiary's trainers: the public names (the recipe protocol, the built-in
+# recipes' helpers, the training context); `apiary` re-exports them.
+PUBLIC_TRAINER_MODULES = ("trainers.recipe", "trainers.recipes", "trainers.context")
+
+
 def test_the_examples_import_what_a_users_code_may() -> None:
-    """examples/ is code a user could have written: Ray, torch, and of Apiary the public package
-    `apiary` alone (its recipe protocol, training context, client, errors), never its internals."""
+    """examples/ is code a user could have written: Ray, torch, Apiary's public trainer names and the
+    shared contract (its errors), never the API or the service's domain."""
     for module, names in imports_of("examples").items():
-        assert not packages(names) & {"api", "service", "trainers", "migrations"}, module
+        assert "api" not in packages(names), module
+        assert all(shared(name) for name in names if name.startswith("service.")), module
+        trainers = {name for name in names if in_room(name, "trainers")}
+        assert trainers <= set(PUBLIC_TRAINER_MODULES), (module, trainers)
 
 
 @pytest.mark.parametrize("room", sorted(LOWER_ROOMS))
