@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from api import cli_admin, cli_db, cli_jobs
+from api import cli_admin, cli_db, cli_jobs, cli_sweeps
 from api.cli_plan import plan_command
 from api.extras import install_hint, missing
 from service.contract.errors import one_line
@@ -34,6 +34,7 @@ app = typer.Typer(
 )
 console = Console(soft_wrap=True)
 cli_jobs.register(app)
+cli_sweeps.register(app)
 
 
 # Ray's own log lines (its INFO) too; Apiary's are shown either way.

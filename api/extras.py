@@ -23,6 +23,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
         "prometheus_client",
         "pythonjsonlogger",
         "tensorboardX",
+        "optuna",
         "pyarrow",
         "ray",
     ),
