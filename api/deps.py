@@ -17,6 +17,7 @@ from service.jobs import JobService
 from service.runtime import Runtime
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
+from service.sweeps import SweepService
 
 SESSION_COOKIE = "apiary_session"  # the web view's session id (set by POST /login), HttpOnly
 CSRF_HEADER = "X-CSRF-Token"  # the web view's scripts send its session's CSRF token in it
@@ -39,6 +40,10 @@ def get_runtime(request: Request) -> Runtime:
 
 def get_jobs(runtime: Annotated[Runtime, Depends(get_runtime)]) -> JobService:
     return runtime.jobs
+
+
+def get_sweeps(runtime: Annotated[Runtime, Depends(get_runtime)]) -> SweepService:
+    return runtime.sweeps
 
 
 def get_scheduler(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Scheduler:
@@ -117,6 +122,7 @@ def authenticate_request(auth: Auth, request: Request) -> User:
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 JobsDep = Annotated[JobService, Depends(get_jobs)]
+SweepsDep = Annotated[SweepService, Depends(get_sweeps)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 AuthDep = Annotated[Auth, Depends(get_auth)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -6,13 +6,23 @@ import logging
 import threading
 
 from service.auth import Auth
-from service.cluster import ClusterBackend, CurrentBackend, LocalRay, RayBackend, pid_running
+from service.cluster import (
+    LOCAL_RAY_TOKEN_FILE,
+    ClusterBackend,
+    CurrentBackend,
+    LocalRay,
+    RayBackend,
+    auth_env,
+    pid_running,
+    token_auth_env,
+)
 from service.contract.errors import ClusterUnavailable
 from service.jobs import JobService
 from service.observability import Metrics
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings, secret_value
 from service.store.db import Database
+from service.sweeps import SweepRunner, SweepService
 from service.tracking import Exporter
 
 logger = logging.getLogger(__name__)
@@ -42,6 +52,8 @@ class Runtime:
         self._scheduler: Scheduler | None = None
         self._backend: CurrentBackend | None = None
         self._exporter: Exporter | None = None
+        self._sweeps: SweepService | None = None
+        self._sweep_runner: SweepRunner | None = None
         self._stopping = threading.Event()
         self._watchdog: threading.Thread | None = None
 
@@ -88,6 +100,16 @@ class Runtime:
         )
         if self._exporter is not None and self._run_scheduler:
             self._exporter.start()
+        self._sweeps = SweepService(db=self.db, jobs=self._jobs)
+        self._sweep_runner = SweepRunner(
+            db=self.db,
+            jobs=self._jobs,
+            is_leader=lambda: scheduler.is_leader,
+            interval_s=self.settings.sweep_interval_s,
+            wake=scheduler.wake,
+        )
+        if self._run_scheduler:
+            self._sweep_runner.start()
         if self.local_ray is not None:
             self._watchdog = threading.Thread(
                 target=self._watch_local_ray, name="apiary-ray-watch", daemon=True
@@ -138,6 +160,17 @@ class Runtime:
         return self._scheduler.drain(timeout_s=self.settings.queues.preempt_grace_s + 15)
 
     @property
+    def sweeps(self) -> SweepService:
+        assert self._sweeps is not None, "Runtime.start() first"
+        return self._sweeps
+
+    @property
+    def sweep_runner(self) -> SweepRunner:
+        """Starts and prunes the sweeps' trials (service.sweeps); tests call its `tick()`."""
+        assert self._sweep_runner is not None, "Runtime.start() first"
+        return self._sweep_runner
+
+    @property
     def exporter(self) -> Exporter | None:
         """What sends metrics to TensorBoard and MLflow (service.tracking); None with both off."""
         return self._exporter
@@ -148,8 +181,20 @@ class Runtime:
             self._scheduler.stop()
         if self._exporter is not None:
             self._exporter.stop()
+        if self._sweep_runner is not None:
+            self._sweep_runner.stop()
         if self.local_ray is not None:
             self.local_ray.stop()
             self.local_ray = None
         if self.db is not None:
             self.db.dispose()
+
+
+def ray_client_env(settings: Settings) -> dict[str, str]:
+    """What Ray's clients in this process need in the environment for the cluster's token auth. Ray
+    fixes its auth mode when it is first imported: a command that imports Ray before the runtime starts
+    (`apiary serve` routes Ray's loggers first) puts this in the environment before it does."""
+    if settings.ray_address:
+        token = secret_value(settings.ray_auth_token)
+        return token_auth_env(token) if token else {}
+    return auth_env(settings.data_dir / LOCAL_RAY_TOKEN_FILE)

@@ -50,7 +50,7 @@ HERE = Path(__file__).parent
 QUEUE_PAGE = 50  # queued jobs per queue on a page
 FINISHED_PAGE = 20
 RUNNING_SHOWN = 100
-FINISHED_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+FINISHED_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PRUNED)
 
 # Autoescape everything (Starlette's default only covers some file names).
 LOGIN_COOKIE = "apiary_login"  # the login form's CSRF token (double submit): set with the form
@@ -225,9 +225,10 @@ def progress(job: Job) -> dict[str, Any]:
         "job": public,
         "workers": workers,
         "step": step,
-        "fraction": min(1.0, step / public.spec.max_steps),
+        # A function trainer without max_steps has no end to measure against.
+        "fraction": min(1.0, step / public.spec.max_steps) if public.spec.max_steps else None,
         "samples_per_s": public.spec.batch_size * workers / job.seconds_per_step
-        if job.seconds_per_step
+        if job.seconds_per_step and public.spec.batch_size is not None
         else None,
     }
 

@@ -1,8 +1,8 @@
 """web_sessions: the web view's logins (service.auth), server-side: the browser's cookie holds a random
 session id (only its SHA-256 is stored), not the API token; logout and revocation end it
 
-Revision ID: 0013
-Revises: 0012
+Revision ID: 0014
+Revises: 0013
 Create Date: 2026-12-03 07:30:00
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0013"
-down_revision = "0012"
+revision = "0014"
+down_revision = "0013"
 branch_labels = None
 depends_on = None
 
