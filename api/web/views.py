@@ -26,6 +26,7 @@ from urllib.parse import parse_qs, quote
 
 import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import Path as FastPath
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
@@ -35,10 +36,18 @@ from starlette.datastructures import MutableHeaders
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.deps import SESSION_COOKIE, AuthDep, JobsDep, authenticate_request, csrf_token, is_same_origin
+from api.deps import (
+    SESSION_COOKIE,
+    AuthDep,
+    JobsDep,
+    SweepsDep,
+    authenticate_request,
+    csrf_token,
+    is_same_origin,
+)
 from api.limits import JobId
 from api.routes.compare import JOB_LIST_PATTERN, parse_job_list
-from api.schemas import CheckpointPublic, ComparePublic, EventPublic, JobPublic
+from api.schemas import CheckpointPublic, ComparePublic, EventPublic, JobPublic, SweepPublic
 from service.auth import SESSION_TTL_S, Auth, User
 from service.contract.errors import Forbidden, InvalidSpec, Unauthenticated
 from service.contract.spec import MAX_INT
@@ -375,6 +384,36 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, with_headers)
+
+
+@router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
+def sweep_page(
+    request: Request,
+    sweeps: SweepsDep,
+    user: PageUser,
+    sweep_id: Annotated[int, FastPath(ge=1, le=MAX_INT)],
+) -> HTMLResponse:
+    """A sweep (service.sweeps): its trials, the objective against each parameter, the trials' curves
+    with the best one drawn over the others, and Cancel."""
+    found = SweepPublic.build(sweeps.view(sweep_id))
+    data = {
+        "metric": found.objective["metric"],
+        "mode": found.objective["mode"],
+        "best": found.best.job if found.best is not None else None,
+        "params": sorted(found.spec.get("space", {})),
+        "trials": [
+            {
+                "job": t.job,
+                "trial": t.trial,
+                "state": t.state.value,
+                "objective": t.objective,
+                "params": t.params,
+            }
+            for t in found.trials
+        ],
+    }
+    context = {"sweep": found, "data": data, "colors": COLORS, "user": user}
+    return templates.TemplateResponse(request, "sweep.html", context)
 
 
 def install(app: FastAPI) -> None:

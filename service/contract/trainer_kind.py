@@ -17,6 +17,7 @@ None and the job's driver decides. A name the source certainly does not define r
 What each kind honors of the spec (`kind_refusal`; the API refuses the rest with a 422 naming the
 field when it knows the kind at submission, else the job's driver fails the job with one line):
 - a recipe: everything; it needs `dataset`, `max_steps` and `batch_size`;
+- an own loop: `eval` is refused (it evaluates itself and reports the metrics with `ctx.report`);
 - a Ray Train function prepares its own model and chooses when to checkpoint: `strategy: fsdp`,
   `precision: bf16`, an `on_anomaly` other than the default, `eval`, and the checkpoint cadence
   (`checkpoint.every_steps`, `every_s`, `auto`, `async`) are refused; `checkpoint.keep_last` and
@@ -162,6 +163,10 @@ def kind_refusal(spec: JobSpec, kind: TrainerKind | None, *, given: Set[str] = f
         for name in ("dataset", "max_steps", "batch_size"):
             if getattr(spec, name) is None:
                 return Refusal(name, f"required for trainer {spec.trainer} (a recipe)")
+        return None
+    if kind is TrainerKind.LOOP:
+        if spec.eval is not None:
+            return Refusal("eval", "an own loop evaluates itself: report its eval metrics with ctx.report")
         return None
     if kind is not TrainerKind.RAY_FUNCTION:
         return None

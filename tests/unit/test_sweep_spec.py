@@ -110,3 +110,14 @@ def test_asha_rungs_values_and_cuts() -> None:
         True,
         True,
     ]
+
+
+def test_tpe_asks_points_inside_the_space_and_the_same_inputs_give_the_same_point() -> None:
+    from service.sweeps import tpe_point
+
+    spec = sweep(method="tpe", seed=3)
+    finished = [(random_point(spec, i), float(i)) for i in range(6)]
+    point = tpe_point(spec, 6, finished)
+    assert point == tpe_point(spec, 6, finished)
+    assert 1e-4 <= float(point["config.lr"]) <= 1.0 and point["config.hidden_sizes"] in ([8], [32])
+    assert trial_spec(spec, point, index=6).config["hidden_sizes"] == point["config.hidden_sizes"]
