@@ -51,7 +51,6 @@ import contextlib
 import copy
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +67,7 @@ from service.contract.spec import AnomalyAction, JobSpec
 from trainers import startup
 from trainers.anomaly import Anomaly, AnomalyDetector, decide, encode
 from trainers.checkpoint import Checkpointer, Resume, TrainParts, TrainState, seed_rank
+from trainers.context import configure_logging
 from trainers.data import DatasetInfo, RankBatches, iter_batches_for_rank
 from trainers.parallel import autocast, clip_grad_norm, gather_values, parallelize, rank0_value
 from trainers.recipe import Recipe, recipe_for, split_loss
@@ -100,7 +100,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
-    _configure_logging(rank)
+    configure_logging(rank)
     start = _Worker(
         request,
         dataset,
@@ -191,7 +191,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 parts.optimizer.step()
                 detector.accept(step=step, grad_norm=grad_norm.item())
             # else on_anomaly is warn: the step counts, but its non-finite gradients are not applied.
-            parts.lr_schedule.step()
+            if parts.lr_schedule is not None:
+                parts.lr_schedule.step()
             state.advance(epoch=epoch, samples=spec.batch_size * world_size)
             step_time_s = time.perf_counter() - step_started
 
@@ -372,17 +373,3 @@ def _log_progress(step: int, *, max_steps: int, values: dict[str, float]) -> Non
         values["samples_per_s"],
         100 * values["data_wait_s"] / values["step_time_s"],
     )
-
-
-def _configure_logging(rank: int) -> None:
-    """Ray Train workers start with no handler for our loggers; rank 0 speaks at INFO, others warn."""
-    package_logger = logging.getLogger("trainers")
-    if not package_logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s"))
-        package_logger.addHandler(handler)
-        package_logger.propagate = False
-    package_logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    # httpx logs every telemetry post at INFO: that is one log line per post and rank forwarded to the
-    # job's driver log, which buries the training log.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
