@@ -12,7 +12,7 @@ from fastapi import Depends, FastAPI, Response
 from api import errors
 from api.deps import AUTH_RESPONSES, RuntimeDep, get_current_user
 from api.limits import BodyLimit
-from api.routes import auth, compare, internal, jobs, logs, metrics, plan, queues, streams, tracking
+from api.routes import auth, code, compare, internal, jobs, logs, metrics, plan, queues, streams, tracking
 from api.schemas import Alive, Health, error_responses
 from api.web import views as web
 from service.contract.errors import ClusterUnavailable
@@ -71,7 +71,7 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         # Any request: a body too large (api.limits), the database or Ray unreachable.
         responses=error_responses(413, 503),
     )
-    app.add_middleware(BodyLimit)
+    app.add_middleware(BodyLimit, code_max_bytes=runtime.settings.code_max_bytes)
     _standard_openapi(app)
     errors.install(app)
     web.install(app)  # first: its page at /jobs/{id} answers browsers, the JSON route everyone else
@@ -84,6 +84,7 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         queues.router,
         streams.router,
         plan.router,
+        code.router,
         compare.router,
         tracking.router,
     )

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from api.client import ApiaryClient, ApiaryClientError, ApiaryInvalid
 from api.schemas import JobPublic
-from service.contract.errors import one_line
+from service.contract.errors import CodeError, one_line
 from service.contract.spec import JobSpec, field_line, parse_spec_text
 from service.contract.states import TERMINAL_STATES, JobState
 
@@ -60,6 +60,14 @@ def register(app: typer.Typer) -> None:
 def submit(
     file: Annotated[Path, typer.Argument(help="The job spec (YAML or JSON).")],
     watch_: Annotated[bool, typer.Option("--watch", help="Then watch it until it ends.")] = False,
+    code: Annotated[
+        Path | None,
+        typer.Option(
+            "--code",
+            help="Ship this folder with the job (without .git, __pycache__, .venv and what its "
+            ".apiaryignore lists): every worker imports from it, and the trainer may be a module in it.",
+        ),
+    ] = None,
     url: Url = None,
     token: Token = None,
     as_json: AsJson = False,
@@ -68,7 +76,9 @@ def submit(
     text, spec = _read_spec(file)
     with _client(url, token) as client:
         try:
-            job = client.submit(spec)
+            job = client.submit(spec, code=code)
+        except CodeError as err:  # the folder, before anything was sent
+            _fail(f"--code {code}: {err}", code=2)
         except ApiaryInvalid as err:
             line = field_line(text, _loc(err.field)) if err.field else None
             where = f"{file}:{line}" if line else str(file)

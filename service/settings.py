@@ -12,6 +12,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.contract import queues
+from service.contract.code import DEFAULT_MAX_BYTES as DEFAULT_CODE_MAX_BYTES
 from service.contract.queues import QueuesConfig
 from service.contract.spec import MAX_PRIORITY
 from service.planning.formulas import DEFAULT_MTBF_S
@@ -70,6 +71,17 @@ class Settings(BaseSettings):
         description="Send Apiary's `service` and `trainers` packages with every job (Ray runtime_env "
         "py_modules), so that the cluster's nodes need no copy of Apiary; off when the nodes run an "
         "image with Apiary installed.",
+    )
+    code_upload: bool = Field(
+        default=True,
+        description="Take a job's own code with it (`apiary submit --code DIR`, PUT /code): stored by its "
+        "sha256 beside the checkpoints and shipped to the workers as Ray's working_dir. Off: 403.",
+    )
+    code_max_bytes: int = Field(
+        default=DEFAULT_CODE_MAX_BYTES,
+        gt=0,
+        le=500 * 2**20,  # Ray keeps a working_dir in its GCS, which takes at most 512 MiB (gRPC's limit)
+        description="The largest code package a job may bring, unpacked (its files' sizes added up).",
     )
     # The usual AWS variables (no APIARY_ prefix), read here so that the scheduler can hand them to
     # each job: a job's runtime_env reaches its driver, Train workers and Ray Data tasks on every node,

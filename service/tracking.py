@@ -192,7 +192,7 @@ _MLFLOW_BATCH = 1000
 class MlflowSink:
     name = "mlflow"
 
-    def __init__(self, tracking_uri: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, tracking_uri: str, *, timeout_s: float = 30.0) -> None:
         import os
 
         # One try per call: the exporter retries on its next pass, never inside a pass.
@@ -280,8 +280,9 @@ class MlflowSink:
 
 @dataclass
 class _Progress:
-    cursor: int
-    finished: bool
+    cursor: int = 0
+    finished: bool = False
+    known: bool = False  # the cursor was read from the sink (else: not yet, the sink did not answer)
     failing_since: float | None = None
 
 
@@ -344,11 +345,13 @@ class Exporter:
         return handed
 
     def _export_job(self, sink: Sink, job: Job, *, now: float) -> int:
-        key = (sink.name, job.id)
-        progress = self._progress.get(key)
+        progress = self._progress.setdefault((sink.name, job.id), _Progress())
         try:
-            if progress is None:
-                progress = self._progress[key] = _Progress(*sink.cursor(job))
+            if not progress.known:
+                cursor, finished = sink.cursor(job)
+                # Never below what was dropped while the sink did not answer.
+                progress.cursor, progress.finished = max(cursor, progress.cursor), finished
+                progress.known = True
             if progress.finished:
                 return 0
             with self.db.session() as session:
@@ -356,17 +359,13 @@ class Exporter:
                     session, job.id, after_id=progress.cursor, limit=EXPORT_BATCH, rank=0
                 )
             points = [Point(step=row.step, time=row.time, values=_numbers(row.values)) for row in rows]
-            finished = (
-                job.state not in ACTIVE_STATES and len(rows) < EXPORT_BATCH and cursor == progress.cursor
-            )
+            ended = job.state not in ACTIVE_STATES
+            finished = ended and len(rows) < EXPORT_BATCH and cursor == progress.cursor
             if not points and not finished:
                 return 0
             first = progress.cursor == 0
             sink.export(Batch(job=job, points=points, cursor=cursor, finished=finished, first=first))
-        except Exception as err:
-            if progress is None:
-                logger.warning("%s: cannot read job %d's export cursor: %s", sink.name, job.id, err)
-                return 0
+        except Exception as err:  # any tracker error: retried, then dropped
             return self._failed(sink, job, progress, err, now=now)
         progress.cursor, progress.finished, progress.failing_since = cursor, finished, None
         return len(points)

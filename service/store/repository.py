@@ -23,6 +23,7 @@ from service.store.models import (
     AuthState,
     Checkpoint,
     CheckpointState,
+    CodePackage,
     IdempotencyKey,
     Job,
     JobEvent,
@@ -58,6 +59,26 @@ def create_job(session: Session, *, spec: JobSpec, owner: str, actor: str = "api
     )
     logger.info("job queued", extra={"action": "job_queued", "job": {"id": job.id, "name": job.name}})
     return job
+
+
+# -- code packages (service.code): who uploaded which ----------------------------------------------------
+
+
+def add_code_package(session: Session, *, sha256: str, owner: str, size_bytes: int, files: int) -> bool:
+    """Record that `owner` uploaded the package; False when they had already (nothing changes)."""
+    if session.get(CodePackage, (sha256, owner)) is not None:
+        return False
+    session.add(CodePackage(sha256=sha256, owner=owner, size_bytes=size_bytes, files=files))
+    session.flush()
+    return True
+
+
+def find_code_package(session: Session, *, sha256: str, owner: str | None) -> CodePackage | None:
+    """`owner`'s upload of the package; with `owner` None, anyone's (an admin may run any package)."""
+    query = select(CodePackage).where(CodePackage.sha256 == sha256)
+    if owner is not None:
+        query = query.where(CodePackage.owner == owner)
+    return session.scalars(query.limit(1)).first()
 
 
 # -- idempotency keys (service.jobs: JobService.submit_idempotent) ------------------------------------

@@ -134,3 +134,75 @@ def test_apiary_tensorboard_prints_the_folders(
     assert root.stdout.strip() == service.runtime.settings.resolved_storage_uri.removeprefix("file://")
     missing = service.http.get("/tensorboard", params={"job": [999]})
     assert missing.status_code == 404
+
+
+# -- MLflow: a real `mlflow server` (SQLite backend), read back with MlflowClient -------------------
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_every_job_is_one_mlflow_run_through_restarts(
+    start_service: Any, classification_dataset: str, tmp_path: Path
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from service.tracking import MlflowSink
+    from tests.support.mlflow_server import mlflow_server
+
+    with mlflow_server(tmp_path / "mlflow") as tracking_uri:
+        service = start_service(mlflow_tracking_uri=tracking_uri, tensorboard=False)
+        exporter = service.runtime.exporter
+        assert exporter is not None and [sink.name for sink in exporter.sinks] == ["mlflow"]
+        job_id, submission_id = start_job(service, classification_dataset, lr=0.03)
+        post(service, job_id, range(1, 11))
+        assert exporter.export_once() == 10
+
+        client = MlflowClient(tracking_uri=tracking_uri)
+        experiment = client.get_experiment_by_name("tb-run")  # the job's name
+        assert experiment is not None
+        (run,) = client.search_runs([experiment.experiment_id])
+        assert run.data.tags["apiary.job_id"] == str(job_id)
+        assert run.data.params["config.lr"] == "0.03" and run.data.params["max_steps"] == "20.0"
+        assert run.info.status == "RUNNING"
+
+        # A restarted service (a new exporter, a new sink) finds the run again and goes on from its
+        # cursor: one run, no point twice.
+        exporter.sinks = [MlflowSink(tracking_uri)]
+        exporter._progress.clear()
+        post(service, job_id, range(11, 21))
+        service.backend.statuses[submission_id] = RayJobStatus.SUCCEEDED
+        service.tick()
+        assert exporter.export_once() == 10
+        exporter.export_once()  # nothing new: the run is ended with the job's state
+
+        (run,) = client.search_runs([experiment.experiment_id])
+        history = client.get_metric_history(run.info.run_id, "train/loss")
+        assert [m.step for m in history] == list(range(1, 21))
+        assert [m.value for m in history] == pytest.approx([2.0 / step for step in range(1, 21)])
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/loss")] == [5, 10, 15, 20]
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["apiary.state"] == "succeeded" and run.data.tags["apiary.finished"] == "true"
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_tracker_that_is_down_never_stops_a_job_and_its_points_are_dropped_after_a_bound(
+    start_service: Any, classification_dataset: str
+) -> None:
+    from service.cluster import free_port
+    from service.tracking import EXPORT_GIVE_UP_S
+
+    service = start_service(mlflow_tracking_uri=f"http://127.0.0.1:{free_port()}")  # nothing listens
+    exporter = service.runtime.exporter
+    assert exporter is not None and [sink.name for sink in exporter.sinks] == ["tensorboard", "mlflow"]
+    job_id, _ = start_job(service, classification_dataset)
+    post(service, job_id, range(1, 11))
+    started = time.time()
+    assert exporter.export_once(now=started) == 10  # TensorBoard took them; MLflow failed, retried later
+    assert time.time() - started < 30
+    post(service, job_id, range(11, 13))
+    exporter.export_once(now=started + 1)
+    assert "dropped" not in str(service.http.get(f"/jobs/{job_id}/events").json())
+    exporter.export_once(now=started + EXPORT_GIVE_UP_S + 1)
+    reasons = [event["reason"] for event in service.http.get(f"/jobs/{job_id}/events").json()["data"]]
+    assert any(reason.startswith("mlflow export dropped 12 points") for reason in reasons), reasons
+    assert 'apiary_export_dropped_points_total{sink="mlflow"} 12.0' in service.http.get("/metrics").text
+    assert service.job(job_id)["state"] == "running"
