@@ -73,6 +73,7 @@ from torch import nn
 from service.contract.handoff import loop_token
 from service.contract.protocol import GROUP_STARTED, LaunchRequest
 from service.contract.spec import JobSpec
+from trainers import startup
 from trainers.checkpoint import Checkpointer, Resume, Stateful, TrainParts, TrainState, seed_rank
 from trainers.data import DatasetInfo, RankBatches, iter_batches_for_rank
 from trainers.data_stream import Batch
@@ -186,9 +187,10 @@ class TrainContext:
     # -- data ------------------------------------------------------------------------------------------
 
     def batches(self, collate: Collate, *, columns: Sequence[str] | None = None) -> Iterator[Batch]:
-        """This rank's batches from the data position, forever; `columns` (None: all) are read.
+        """This rank's batches from the data position, forever; `columns` (None: the dataset's
+        `read_columns`, else all) are read.
 
-        A second call starts a new iterator from the current position (the previous one ends).
+        A second call opens the stream again at the current position, with this `collate`.
         """
         self._collate, self._columns = collate, columns
         self._open_stream()
@@ -330,6 +332,7 @@ class TrainContext:
         # Which start of the worker group this is (a restart inside Ray Train replays steps): rank 0's
         # clock, shared by every rank (a collective).
         self.telemetry.segment = rank0_value(time.time_ns() // 1_000_000, device=self.device)
+        startup.mark("group_joined")
         self._resume = self._resume_folder.enter_context(self.checkpointer.latest())
         if self._resume is not None:
             self._state = self._resume.train_state(world_size=self.world_size)

@@ -90,7 +90,6 @@ LOG_INTERVAL_S = 10.0
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     with open_context(loop_config) as ctx:
-        startup.mark("group_joined")
         spec, rank = ctx.spec, ctx.rank
         trainer = recipe_for(spec)
         # 1-3. This rank's data from the checkpoint's position, reading in the background from now on
