@@ -397,7 +397,15 @@ def measure_job(
 def measure_custom_job(serve: Serve, client: ApiaryClient, spec: dict[str, Any]) -> dict[str, Any]:
     """One job of the custom trainer (benchmarks.startup_trainer): its start-up marks only (it posts
     no step metrics; it marks the end of its own step 1)."""
-    measured = run_job(client, {**spec, "name": "overhead-custom", "trainer": CUSTOM_TRAINER}, timeout_s=900)
+    # A Ray Train function gets the spec's `config`: what it needs of the spec goes there.
+    config = {
+        **spec["config"],
+        "max_steps": spec["max_steps"],
+        "batch_size": spec["batch_size"],
+        "seed": spec["seed"],
+    }
+    custom = {**spec, "name": "overhead-custom", "trainer": CUSTOM_TRAINER, "config": config}
+    measured = run_job(client, custom, timeout_s=900)
     submission_id = measured["job"]["ray_submission_id"]
     phases = {
         **event_offsets(measured["events"], since=measured["submitted"]),

@@ -64,6 +64,7 @@ from service.contract.queues import QueueConfig
 from service.contract.spec import JobSpec, Queue
 from service.contract.states import JobState, StopReason
 from service.contract.storage import node_local
+from service.contract.trainer_kind import TrainerKind, TrainerNotDefined, kind_of_trainer, kind_refusal
 from service.observability import Gauges, Metrics, RunningJob
 from service.planning.formulas import Plan
 from service.planning.measured import measured_plan
@@ -95,6 +96,27 @@ class Submission:
 
     job: Job
     replayed: bool
+
+
+def _installed_kind(trainer: str) -> TrainerKind | None:
+    """The kind of a trainer installed beside the service, from its module's source (imports nothing);
+    None when the source cannot tell. Raises `InvalidSpec` (field `trainer`) when it lacks the name."""
+    try:
+        return kind_of_trainer(trainer)
+    except TrainerNotDefined:
+        module, _, name = trainer.partition(":")
+        raise InvalidSpec(
+            f"trainer {trainer!r}: module {module!r} has no {name!r}", field="trainer"
+        ) from None
+
+
+def _check_kind(spec: JobSpec, kind: TrainerKind | None) -> None:
+    """Raise `InvalidSpec` naming the first field that a trainer of `kind` cannot honor
+    (`service.contract.trainer_kind.kind_refusal`); an unknown kind is the job's driver's to check."""
+    given = {"checkpoint.async"} if "async_" in spec.checkpoint.model_fields_set else set()
+    refused = kind_refusal(spec, kind, given=given)
+    if refused is not None:
+        raise InvalidSpec(f"{refused.field}: {refused.message}", field=refused.field)
 
 
 def _resumed_from(batch: TelemetryBatch) -> int | None:
@@ -202,16 +224,19 @@ class JobService:
         package = self._code_of(spec, by=by)
         # A trainer from the job's own code is the owner's to run: the allowlist is for what is
         # installed beside the service.
-        from_code = package is not None and trainer_in_code(package[0], spec.trainer)[0]
+        from_code, kind = trainer_in_code(package[0], spec.trainer) if package is not None else (False, None)
         if not from_code:
             check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
-        check_dataset(
-            spec.dataset.uri,
-            roots=self.settings.resolved_data_roots,
-            data_format=spec.dataset.format,
-            s3_endpoint_url=self.settings.s3_endpoint_url,
-            timeout_s=self.settings.dataset_check_timeout_s,
-        )
+            kind = _installed_kind(spec.trainer)
+        _check_kind(spec, kind)
+        if spec.dataset is not None:
+            check_dataset(
+                spec.dataset.uri,
+                roots=self.settings.resolved_data_roots,
+                data_format=spec.dataset.format,
+                s3_endpoint_url=self.settings.s3_endpoint_url,
+                timeout_s=self.settings.dataset_check_timeout_s,
+            )
         if spec.eval is not None:
             check_dataset(
                 spec.eval.dataset.uri,
@@ -615,7 +640,7 @@ class JobService:
                         queue=job.queue,
                         step=job.latest_step,
                         samples_per_s=spec.batch_size * num_workers / job.seconds_per_step
-                        if job.seconds_per_step
+                        if job.seconds_per_step and spec.batch_size is not None
                         else None,
                     )
                 )
@@ -748,7 +773,12 @@ class JobService:
             # Queue anyway: the scheduler admits it once the cluster is back.
             logger.warning("cannot check capacity at submission: %s", err)
             return
-        if len(cluster.nodes) > 1 and not self.settings.shared_filesystem and node_local(spec.dataset.uri):
+        if (
+            spec.dataset is not None
+            and len(cluster.nodes) > 1
+            and not self.settings.shared_filesystem
+            and node_local(spec.dataset.uri)
+        ):
             raise InvalidSpec(
                 f"dataset {spec.dataset.uri} is a local path and the cluster has {len(cluster.nodes)} "
                 "nodes, which cannot all read it: put it in object storage (s3://...), or set "

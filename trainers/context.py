@@ -93,7 +93,7 @@ class TrainContext:
         self,
         *,
         request: LaunchRequest,
-        dataset: DatasetInfo,
+        dataset: DatasetInfo | None,
         rank: int,
         world_size: int,
         device: torch.device,
@@ -134,12 +134,13 @@ class TrainContext:
         return self.request.spec.config
 
     @property
-    def max_steps(self) -> int:
+    def max_steps(self) -> int | None:
+        """The spec's `max_steps`; None when it sets none (the loop decides when it is done)."""
         return self.request.spec.max_steps
 
     @property
-    def batch_size(self) -> int:
-        """Rows per batch, on each rank."""
+    def batch_size(self) -> int | None:
+        """Rows per batch, on each rank (the spec's `batch_size`)."""
         return self.request.spec.batch_size
 
     @property
@@ -192,13 +193,18 @@ class TrainContext:
 
         A second call opens the stream again at the current position, with this `collate`.
         """
+        if self.dataset is None or self.batch_size is None:
+            missing = "dataset" if self.dataset is None else "batch_size"
+            raise ValueError(
+                f"{missing}: ctx.batches() reads the job's dataset, and the spec sets no {missing}"
+            )
         self._collate, self._columns = collate, columns
         self._open_stream()
         return _ContextBatches(self)
 
     def _open_stream(self) -> None:
         self._close_stream()
-        assert self._collate is not None
+        assert self._collate is not None and self.dataset is not None and self.batch_size is not None
         dataset = self.dataset
         if self._columns is not None:
             dataset = replace(dataset, read_columns=list(self._columns))
@@ -232,7 +238,7 @@ class TrainContext:
             if taken not in state.skipped_batches:
                 break
         self._last_batch = taken
-        state.samples_consumed += self.batch_size * self.world_size
+        state.samples_consumed += (self.batch_size or 0) * self.world_size
         self.telemetry.progress("compute")
         return batch
 
@@ -440,7 +446,7 @@ def open_context(loop_config: dict[str, Any]) -> Iterator[TrainContext]:
     A normal exit completes the checkpoints (`_finish`, a collective); an exception leaves them.
     """
     request = LaunchRequest.model_validate(loop_config["request"])
-    dataset = DatasetInfo.from_dict(loop_config["dataset"])
+    dataset = DatasetInfo.from_dict(loop_config["dataset"]) if loop_config["dataset"] is not None else None
     train_context = ray.train.get_context()
     rank, world_size = train_context.get_world_rank(), train_context.get_world_size()
     device = ray.train.torch.get_device()
@@ -452,7 +458,13 @@ def open_context(loop_config: dict[str, Any]) -> Iterator[TrainContext]:
             )
         )
         checkpointer = stack.enter_context(
-            Checkpointer(request, row_shape=dataset.row_shape, rank=rank, telemetry=telemetry, device=device)
+            Checkpointer(
+                request,
+                row_shape=dataset.row_shape if dataset is not None else {},
+                rank=rank,
+                telemetry=telemetry,
+                device=device,
+            )
         )
         context = TrainContext(
             request=request,

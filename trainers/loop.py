@@ -66,7 +66,7 @@ from trainers.context import TrainContext, metric_values, open_context
 from trainers.data import DatasetInfo
 from trainers.evaluation import Evaluator
 from trainers.parallel import clip_grad_norm, gather_values
-from trainers.recipe import Recipe, recipe_for, split_loss
+from trainers.recipe import Recipe, RowShape, recipe_for, split_loss
 from trainers.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -91,14 +91,17 @@ LOG_INTERVAL_S = 10.0
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     with open_context(loop_config) as ctx:
         spec, rank = ctx.spec, ctx.rank
+        max_steps = spec.required_max_steps
+        dataset = ctx.dataset
+        assert dataset is not None  # a recipe's spec has one (service.contract.trainer_kind.kind_refusal)
         trainer = recipe_for(spec)
         # 1-3. This rank's data from the checkpoint's position, reading in the background from now on
         # (the order uses no global RNG, so the model is built while the first batch is read); then
         # the model, restored.
         startup.mark("stream_opening")
-        batches = ctx.batches(trainer.build_collate(ctx.dataset.row_shape, uri=ctx.dataset.uri))
+        batches = ctx.batches(trainer.build_collate(dataset.row_shape, uri=dataset.uri))
         startup.mark("stream_opened")
-        parts = _build(ctx, trainer)
+        parts = _build(ctx, trainer, row_shape=dataset.row_shape)
         startup.mark("ready")
 
         evaluator = (
@@ -118,7 +121,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         last_log = -math.inf
         parts.model.train()
         # 4. Exactly max_steps optimizer steps.
-        while ctx.step < spec.max_steps:
+        while ctx.step < max_steps:
             step_started = time.perf_counter()
             batch = next(batches)  # a batch a rollback skipped is passed over
             epoch = ctx.epoch
@@ -144,7 +147,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 if spec.on_anomaly is AnomalyAction.ROLLBACK:
                     del loss, grad_norm, parts
                     ctx.roll_back()  # to the last checkpoint, leaving this batch out of the data
-                    parts = _build(ctx, trainer)
+                    parts = _build(ctx, trainer, row_shape=dataset.row_shape)
                     parts.model.train()
                     if rank == 0:
                         _announce_rollback(ctx, anomaly, spec=spec)
@@ -164,7 +167,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "loss": loss.item(),
                 "lr": float(lr),
                 "grad_norm": grad_norm.item(),
-                "samples_per_s": spec.batch_size / step_time_s,
+                "samples_per_s": spec.required_batch_size / step_time_s,
                 "step_time_s": step_time_s,
                 "data_wait_s": data_wait_s,
                 "forward_s": forward_s,
@@ -179,9 +182,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             if startup.mark("step_1_done"):
                 startup.emit(f"rank {rank}")
             now = time.monotonic()
-            if rank == 0 and (now - last_log >= LOG_INTERVAL_S or step == spec.max_steps):
+            if rank == 0 and (now - last_log >= LOG_INTERVAL_S or step == max_steps):
                 last_log = now
-                _log_progress(step, max_steps=spec.max_steps, values=values)
+                _log_progress(step, max_steps=max_steps, values=values)
 
             # 6. The step boundary: the metrics recorded, a checkpoint (in the background unless it is
             # the last); stop here when the control plane asks, with a complete checkpoint.
@@ -190,7 +193,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 break
 
 
-def _build(ctx: TrainContext, trainer: Recipe[Any]) -> TrainParts:
+def _build(ctx: TrainContext, trainer: Recipe[Any], *, row_shape: RowShape) -> TrainParts:
     """The recipe's model, wrapped for the strategy, its optimizer, restored from the context's checkpoint
     (or fresh): at the group's start, and again on a rollback.
 
@@ -199,9 +202,9 @@ def _build(ctx: TrainContext, trainer: Recipe[Any]) -> TrainParts:
     """
     spec = ctx.spec
     torch.manual_seed(spec.seed)
-    model = trainer.build_model(ctx.dataset.row_shape)
+    model = trainer.build_model(row_shape)
     model = ctx.parallelize(model, blocks=trainer.fsdp_blocks(model))
-    optimizer, lr_schedule = trainer.build_optimizer(model, max_steps=spec.max_steps)
+    optimizer, lr_schedule = trainer.build_optimizer(model, max_steps=spec.required_max_steps)
     startup.mark("model_built")
     ctx.restore(model=model, optimizer=optimizer, lr_schedule=lr_schedule, extra=trainer)
     return TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule, extra=trainer)

@@ -189,9 +189,10 @@ def progress(job: Job) -> dict[str, Any]:
         "job": public,
         "workers": workers,
         "step": step,
-        "fraction": min(1.0, step / public.spec.max_steps),
+        # A function trainer without max_steps has no end to measure against.
+        "fraction": min(1.0, step / public.spec.max_steps) if public.spec.max_steps else None,
         "samples_per_s": public.spec.batch_size * workers / job.seconds_per_step
-        if job.seconds_per_step
+        if job.seconds_per_step and public.spec.batch_size is not None
         else None,
     }
 

@@ -46,6 +46,8 @@ def collate(rows: pa.Table) -> dict[str, torch.Tensor]:
 
 def train(ctx: TrainContext) -> None:
     config = ctx.config
+    if ctx.max_steps is None:
+        raise ValueError("max_steps: this loop trains for the spec's max_steps; set it")
     batches = ctx.batches(collate, columns=["features", "label"])
     first = next(batches)  # sizes the model; it is trained on like any other batch
     model = ctx.parallelize(
