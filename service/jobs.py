@@ -218,35 +218,7 @@ class JobService:
                 )
                 if found is not None:
                     return self._replay(session, found, digest)
-        self._check_priority(spec)
-        auth.check_priority(by, spec.priority, ceiling=self.settings.user_max_priority)
-        spec = self._apply_queue(spec)
-        package = self._code_of(spec, by=by)
-        # A trainer from the job's own code is the owner's to run: the allowlist is for what is
-        # installed beside the service.
-        from_code, kind = trainer_in_code(package[0], spec.trainer) if package is not None else (False, None)
-        if not from_code:
-            check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
-            kind = _installed_kind(spec.trainer)
-        _check_kind(spec, kind)
-        if spec.dataset is not None:
-            check_dataset(
-                spec.dataset.uri,
-                roots=self.settings.resolved_data_roots,
-                data_format=spec.dataset.format,
-                s3_endpoint_url=self.settings.s3_endpoint_url,
-                timeout_s=self.settings.dataset_check_timeout_s,
-            )
-        if spec.eval is not None:
-            check_dataset(
-                spec.eval.dataset.uri,
-                roots=self.settings.resolved_data_roots,
-                data_format=spec.eval.dataset.format,
-                s3_endpoint_url=self.settings.s3_endpoint_url,
-                timeout_s=self.settings.dataset_check_timeout_s,
-                field="eval.dataset.uri",
-            )
-        self._check_fits(spec)
+        spec, package = self.checked(spec, by=by)
         try:
             with self.db.session() as session:
                 job = repository.create_job(session, spec=spec, owner=owner)
@@ -283,6 +255,41 @@ class JobService:
                     extra={"action": "idempotent_race", "job": {"id": found.job_id}},
                 )
                 return self._replay(session, found, digest)
+
+    def checked(self, spec: JobSpec, *, by: User) -> tuple[JobSpec, tuple[Path, CodePackage] | None]:
+        """What `submit` checks before it writes anything: priority, queue limits (the spec as stored,
+        with its queue's defaults), code, trainer, datasets, size. Returns the spec to store and its
+        code package; raises what the API maps to 4xx."""
+        self._check_priority(spec)
+        auth.check_priority(by, spec.priority, ceiling=self.settings.user_max_priority)
+        spec = self._apply_queue(spec)
+        package = self._code_of(spec, by=by)
+        # A trainer from the job's own code is the owner's to run: the allowlist is for what is
+        # installed beside the service.
+        from_code, kind = trainer_in_code(package[0], spec.trainer) if package is not None else (False, None)
+        if not from_code:
+            check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
+            kind = _installed_kind(spec.trainer)
+        _check_kind(spec, kind)
+        if spec.dataset is not None:
+            check_dataset(
+                spec.dataset.uri,
+                roots=self.settings.resolved_data_roots,
+                data_format=spec.dataset.format,
+                s3_endpoint_url=self.settings.s3_endpoint_url,
+                timeout_s=self.settings.dataset_check_timeout_s,
+            )
+        if spec.eval is not None:
+            check_dataset(
+                spec.eval.dataset.uri,
+                roots=self.settings.resolved_data_roots,
+                data_format=spec.eval.dataset.format,
+                s3_endpoint_url=self.settings.s3_endpoint_url,
+                timeout_s=self.settings.dataset_check_timeout_s,
+                field="eval.dataset.uri",
+            )
+        self._check_fits(spec)
+        return spec, package
 
     def _code_of(self, spec: JobSpec, *, by: User) -> tuple[Path, CodePackage] | None:
         """The package a spec names, checked: code uploads on, the submitter's own upload (an admin
@@ -409,6 +416,28 @@ class JobService:
         if submission_id:
             stop_job(self.backend, submission_id)
         return job
+
+    def resume(self, job_id: int, *, by: User) -> Job:
+        """Queue a pruned sweep trial again; it resumes from its checkpoint (its owner or an admin)."""
+        with self.db.session() as session:
+            job = repository.get_job(session, job_id, for_update=True)
+            auth.require_owner_or_admin(by, owner=job.owner, job_id=job_id, action="resume")
+            if job.state is not JobState.PRUNED:
+                raise InvalidTransition(
+                    f"job {job_id} is {job.state.value}: only a pruned trial can be resumed"
+                )
+            step = job.latest_checkpoint_step
+            where = f"its checkpoint at step {step}" if step is not None else "step 0 (it has no checkpoint)"
+            return repository.transition(
+                session,
+                job,
+                JobState.QUEUED,
+                actor=by.name,
+                reason=f"resumed by {by.name}: queued again, from {where}",
+                finished_at=None,
+                message=None,
+                ray_submission_id=None,
+            )
 
     def preempt(self, job_id: int, *, by: User) -> Job:
         """Tell a running job to checkpoint and stop; it goes back to the queue in its place (its owner

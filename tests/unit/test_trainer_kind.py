@@ -183,3 +183,10 @@ def test_an_own_loop_honors_strategy_precision_and_checkpoints_not_anomalies_or_
     )
     refused = kind_refusal(spec, TrainerKind.LOOP)
     assert refused is not None and refused.field == "eval"
+
+
+def test_an_own_loop_reports_its_own_eval() -> None:
+    spec = ray_function_spec(eval={"dataset": {"uri": "file:///held-out"}})
+    refused = kind_refusal(spec, TrainerKind.LOOP)
+    assert refused is not None and refused.field == "eval" and "ctx.report" in refused.message
+    assert kind_refusal(ray_function_spec(), TrainerKind.LOOP) is None
