@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # the names as type checkers see them (`X as X`: re-exported)
     from api.schemas import JobPublic
     from service.contract.spec import JobSpec as JobSpec
     from service.contract.states import JobState as JobState
+    from trainers.context import TrainContext as TrainContext
+    from trainers.recipe import Recipe as Recipe
 
     Client = ApiaryClient
     Job = JobPublic

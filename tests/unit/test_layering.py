@@ -68,8 +68,15 @@ def test_nothing_inside_imports_the_public_package() -> None:
 
 def test_the_public_package_imports_only_the_sdk_and_the_contract() -> None:
     """At run time `apiary` imports api.extras alone (each public name is imported when first used);
-    for type checkers, the SDK and the contract."""
-    allowed = ("api.client", "api.schemas", "api.extras", *SHARED_PACKAGES)
+    for type checkers, the SDK, the contract, the recipe protocol and the training context."""
+    allowed = (
+        "api.client",
+        "api.schemas",
+        "api.extras",
+        *SHARED_PACKAGES,
+        "trainers.recipe",
+        "trainers.context",
+    )
     for module, names in imports_of("apiary").items():
         ours = {name for name in names if name.split(".")[0] in ("api", "service", "trainers")}
         assert all(any(in_room(name, ok) for ok in allowed) for name in ours), (module, ours)
