@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +180,23 @@ REPORT_REFUSED = (
     "(Authorization: Bearer)"
 )
 GIVEN_UP_HASHES_KEPT = 10_000
+JOB_ENDED = "job {job_id} ended ({state}): its report tokens write nothing more; exit"
+# A finished job's report token is dead: a post after the job ended changes nothing. For this long
+# after the end, a post of its final attempt with that attempt's token is answered 202 (`stored: 0`,
+# `superseded: true`: exit) rather than 403: it can only be a late copy of the final report (a post
+# whose answer the rank's `close()` did not wait for, then sent again and delivered: trainers.
+# telemetry), since a job's Ray job, and so its end here, comes only after its ranks' last posts.
+# Later, and for any other post, 403 `AttemptSuperseded` (before the body is read, api.gate).
+FINAL_REPORT_GRACE_S = 120.0
+
+
+def _final_report_window_over(job: Job) -> bool:
+    if not job.state.is_terminal:
+        return False
+    if job.finished_at is None:
+        return True
+    finished = job.finished_at if job.finished_at.tzinfo is not None else job.finished_at.replace(tzinfo=UTC)
+    return (datetime.now(UTC) - finished).total_seconds() > FINAL_REPORT_GRACE_S
 
 
 @dataclass(kw_only=True)
@@ -218,35 +235,7 @@ class JobService:
                 )
                 if found is not None:
                     return self._replay(session, found, digest)
-        self._check_priority(spec)
-        auth.check_priority(by, spec.priority, ceiling=self.settings.user_max_priority)
-        spec = self._apply_queue(spec)
-        package = self._code_of(spec, by=by)
-        # A trainer from the job's own code is the owner's to run: the allowlist is for what is
-        # installed beside the service.
-        from_code, kind = trainer_in_code(package[0], spec.trainer) if package is not None else (False, None)
-        if not from_code:
-            check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
-            kind = _installed_kind(spec.trainer)
-        _check_kind(spec, kind)
-        if spec.dataset is not None:
-            check_dataset(
-                spec.dataset.uri,
-                roots=self.settings.resolved_data_roots,
-                data_format=spec.dataset.format,
-                s3_endpoint_url=self.settings.s3_endpoint_url,
-                timeout_s=self.settings.dataset_check_timeout_s,
-            )
-        if spec.eval is not None:
-            check_dataset(
-                spec.eval.dataset.uri,
-                roots=self.settings.resolved_data_roots,
-                data_format=spec.eval.dataset.format,
-                s3_endpoint_url=self.settings.s3_endpoint_url,
-                timeout_s=self.settings.dataset_check_timeout_s,
-                field="eval.dataset.uri",
-            )
-        self._check_fits(spec)
+        spec, package = self.checked(spec, by=by)
         try:
             with self.db.session() as session:
                 job = repository.create_job(session, spec=spec, owner=owner)
@@ -283,6 +272,41 @@ class JobService:
                     extra={"action": "idempotent_race", "job": {"id": found.job_id}},
                 )
                 return self._replay(session, found, digest)
+
+    def checked(self, spec: JobSpec, *, by: User) -> tuple[JobSpec, tuple[Path, CodePackage] | None]:
+        """What `submit` checks before it writes anything: priority, queue limits (the spec as stored,
+        with its queue's defaults), code, trainer, datasets, size. Returns the spec to store and its
+        code package; raises what the API maps to 4xx."""
+        self._check_priority(spec)
+        auth.check_priority(by, spec.priority, ceiling=self.settings.user_max_priority)
+        spec = self._apply_queue(spec)
+        package = self._code_of(spec, by=by)
+        # A trainer from the job's own code is the owner's to run: the allowlist is for what is
+        # installed beside the service.
+        from_code, kind = trainer_in_code(package[0], spec.trainer) if package is not None else (False, None)
+        if not from_code:
+            check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
+            kind = _installed_kind(spec.trainer)
+        _check_kind(spec, kind)
+        if spec.dataset is not None:
+            check_dataset(
+                spec.dataset.uri,
+                roots=self.settings.resolved_data_roots,
+                data_format=spec.dataset.format,
+                s3_endpoint_url=self.settings.s3_endpoint_url,
+                timeout_s=self.settings.dataset_check_timeout_s,
+            )
+        if spec.eval is not None:
+            check_dataset(
+                spec.eval.dataset.uri,
+                roots=self.settings.resolved_data_roots,
+                data_format=spec.eval.dataset.format,
+                s3_endpoint_url=self.settings.s3_endpoint_url,
+                timeout_s=self.settings.dataset_check_timeout_s,
+                field="eval.dataset.uri",
+            )
+        self._check_fits(spec)
+        return spec, package
 
     def _code_of(self, spec: JobSpec, *, by: User) -> tuple[Path, CodePackage] | None:
         """The package a spec names, checked: code uploads on, the submitter's own upload (an admin
@@ -410,6 +434,28 @@ class JobService:
             stop_job(self.backend, submission_id)
         return job
 
+    def resume(self, job_id: int, *, by: User) -> Job:
+        """Queue a pruned sweep trial again; it resumes from its checkpoint (its owner or an admin)."""
+        with self.db.session() as session:
+            job = repository.get_job(session, job_id, for_update=True)
+            auth.require_owner_or_admin(by, owner=job.owner, job_id=job_id, action="resume")
+            if job.state is not JobState.PRUNED:
+                raise InvalidTransition(
+                    f"job {job_id} is {job.state.value}: only a pruned trial can be resumed"
+                )
+            step = job.latest_checkpoint_step
+            where = f"its checkpoint at step {step}" if step is not None else "step 0 (it has no checkpoint)"
+            return repository.transition(
+                session,
+                job,
+                JobState.QUEUED,
+                actor=by.name,
+                reason=f"resumed by {by.name}: queued again, from {where}",
+                finished_at=None,
+                message=None,
+                ray_submission_id=None,
+            )
+
     def preempt(self, job_id: int, *, by: User) -> Job:
         """Tell a running job to checkpoint and stop; it goes back to the queue in its place (its owner
         or an admin)."""
@@ -467,6 +513,9 @@ class JobService:
         with self.db.session() as session:
             # Locked: two ranks' first posts after a restart must count it once.
             job = repository.get_job(session, job_id, for_update=True)
+            if job.state.is_terminal:
+                self._check_after_the_end(job, batch, token=token)
+                return TelemetryReply(stored=0, stop=False, superseded=True)
             # A given-up attempt's points only: the next attempt may resume from a checkpoint that
             # one wrote after it was given up, and then nobody trains those steps again. No
             # checkpoint, status or event of it counts, and the reply tells it to exit.
@@ -529,11 +578,24 @@ class JobService:
         with self.db.session() as session:
             job = repository.get_job(session, job_id)
             attempt, current = job.attempt, job.report_token_hash
+            if _final_report_window_over(job):
+                raise AttemptSuperseded(JOB_ENDED.format(job_id=job_id, state=job.state.value))
         if not token_matches(token, current) and not any(
             token_matches(token, self._given_up_hash(job_id, earlier))
             for earlier in range(attempt - 1, 0, -1)
         ):
             raise ReportRefused(REPORT_REFUSED.format(job_id=job_id))
+
+    def _check_after_the_end(self, job: Job, batch: TelemetryBatch, *, token: str | None) -> None:
+        """A post to a job that ended changes nothing. Its final attempt's own post within
+        FINAL_REPORT_GRACE_S of the end passes (the caller answers it as delivered: see the constant);
+        anything else is refused."""
+        if batch.attempt == job.attempt and token_matches(token, job.report_token_hash):
+            if not _final_report_window_over(job):
+                return
+        elif batch.attempt >= job.attempt:
+            raise ReportRefused(REPORT_REFUSED.format(job_id=job.id))
+        raise AttemptSuperseded(JOB_ENDED.format(job_id=job.id, state=job.state.value))
 
     def _given_up_hash(self, job_id: int, attempt: int) -> str | None:
         key = (job_id, attempt)

@@ -403,6 +403,16 @@ class Scheduler:
             repository.transition(
                 session, job, JobState.SUCCEEDED, actor="reconciler", reason=f"reached max_steps ({where})"
             )
+        elif job.stop_requested == StopReason.PRUNED:
+            repository.transition(
+                session,
+                job,
+                JobState.PRUNED,
+                actor="sweep",
+                reason=f"{job.message or 'pruned by its sweep'} ({where})",
+                stop_requested=None,
+                stop_requested_at=None,
+            )
         elif job.stop_requested == StopReason.MAX_RUNTIME:
             repository.transition(
                 session,
