@@ -1,6 +1,11 @@
 """The `apiary` command: run the service, or the demo a new user starts with; the commands that use a
 running server (submit, jobs, queue, show, logs, watch, cancel, preempt) are in api/cli_jobs.py, and
-`apiary token` (on the database) in api/cli_admin.py."""
+`apiary token` (on the database) in api/cli_admin.py.
+
+Each command imports what it needs when it runs (`apiary --help` and the client commands load neither
+the server's nor the cluster's modules), and one whose extra is not installed says which to install
+and exits 2 (api/extras.py).
+"""
 
 from __future__ import annotations
 
@@ -9,23 +14,20 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
-from api import cli_admin, cli_db, cli_jobs, cli_sweeps, server
-from api.app import create_app
+from api import cli_admin, cli_db, cli_jobs, cli_sweeps
 from api.cli_plan import plan_command
-from api.client import ApiaryClientError
-from api.demo import run_demo_job, write_demo_dataset
-from api.logformat import configure_logging, route_ray_logs
-from service.cluster import free_port
+from api.extras import install_hint, missing
 from service.contract.errors import one_line
 from service.contract.spec import DataFormat
-from service.runtime import ray_client_env
-from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.settings import Settings
 
 app = typer.Typer(
     help="Apiary: queue and run distributed PyTorch training jobs on Ray.", no_args_is_help=True
@@ -39,7 +41,21 @@ cli_sweeps.register(app)
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also show Ray's INFO log lines.")]
 
 
+def _need(command: str, *extras: str, why: str = "") -> None:
+    """Exit 2, naming the extra to install, unless `extras` are installed."""
+    absent = missing(*extras)
+    if absent:
+        needs = f"apiary[{','.join(extras)}]{why}"
+        console.print(
+            f"[red]error:[/] `apiary {command}` needs {escape(needs)} ({absent[0]} is not installed): "
+            f"{escape(install_hint(*extras))}"
+        )
+        raise typer.Exit(2)
+
+
 def _settings(**overrides: Any) -> Settings:
+    from service.settings import Settings
+
     try:
         settings = Settings(**{key: value for key, value in overrides.items() if value is not None})
         settings.queues  # noqa: B018 (reads and checks APIARY_QUEUES_FILE)
@@ -56,7 +72,15 @@ def serve(
     verbose: Verbose = False,
 ) -> None:
     """Start the API, the scheduler and (unless APIARY_RAY_ADDRESS is set) a local Ray."""
+    _need("serve", "server")
     settings = _settings(host=host, port=port)
+    if settings.ray_address is None:
+        _need("serve", "server", "cluster", why=" to run jobs on a local Ray (or set APIARY_RAY_ADDRESS)")
+    from api import server
+    from api.app import create_app
+    from api.logformat import configure_logging, route_ray_logs
+    from service.runtime import ray_client_env
+
     cli_admin.refuse_unsafe_bind(settings)
     configure_logging(settings.log_format)
     os.environ.update(ray_client_env(settings))  # before Ray's first import (route_ray_logs)
@@ -71,6 +95,14 @@ def demo(
     verbose: Verbose = False,
 ) -> None:
     """Write a small token dataset, start Apiary, train a tiny GPT on 2 workers, show progress."""
+    _need("demo", "server", "cluster")
+    from api import server
+    from api.app import create_app
+    from api.demo import run_demo_job, write_demo_dataset
+    from api.logformat import route_ray_logs
+    from service.cluster import free_port
+    from service.runtime import ray_client_env
+
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
     port = free_port()
     settings = _settings(port=port)
@@ -114,6 +146,7 @@ def data_shard(
     ] = 1024,
 ) -> None:
     """Write SOURCE as N shards at DEST, with a _manifest.json (rows, schema, sha256 per shard)."""
+    _need("data shard", "cluster")
     from service.sharding import shard_dataset
 
     settings = _settings()
@@ -155,6 +188,8 @@ def simulate(
 ) -> None:
     """Replay a job trace through a scheduling policy in simulated time (no Ray, no database), or
     generate a trace: most jobs small and short, a few large and long, bursty daily arrivals."""
+    from rich.table import Table
+
     from service.contract.queues import load
     from service.scheduling import simulate as sim
 
@@ -213,14 +248,26 @@ def _usage_error(message: str) -> NoReturn:
 
 
 app.command("plan")(plan_command)  # api/cli_plan.py
-cli_db.register(app, load_settings=_settings)  # api/cli_db.py: apiary db upgrade | current
-cli_admin.register(app, load_settings=_settings)  # api/cli_admin.py: apiary token create | list | revoke
+
+
+def _server_settings(command: str) -> Settings:
+    _need(command, "server")
+    return _settings()
+
+
+# api/cli_db.py: apiary db upgrade | current; api/cli_admin.py: apiary token create | list | revoke
+cli_db.register(app, load_settings=lambda: _server_settings("db"))
+cli_admin.register(app, load_settings=lambda: _server_settings("token"))
 
 
 def main() -> None:
     try:
         app()
-    except ApiaryClientError as err:
+    except Exception as err:
+        # The SDK's refusals, one line (only a command that loaded the SDK can raise one).
+        client = sys.modules.get("api.client")
+        if client is None or not isinstance(err, client.ApiaryClientError):
+            raise
         console.print(f"[red]error:[/] {err.message}")
         sys.exit(1)
 

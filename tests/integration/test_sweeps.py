@@ -4,8 +4,12 @@ restarted runner (or a second leader) neither loses nor repeats a trial, and the
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from service.cluster import RayJobStatus
 from service.sweeps import SweepRunner
@@ -210,3 +214,36 @@ def test_the_cli_starts_shows_and_exports_a_sweep(
     assert (exported["queue"], exported["config"]["lr"]) == ("full-scale", trial["params"]["config.lr"])
     assert cli.invoke(app, ["sweep", "cancel", str(sweep_id)], env=env).exit_code == 0
     assert cli.invoke(app, ["resume", str(trial["job"])], env=env).exit_code == 1  # succeeded, not pruned
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_the_sweep_page_shows_trials_objective_per_parameter_and_curves_and_cancels(
+    service: Service, spec: dict[str, Any]
+) -> None:
+    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install -y chromium (.ci/run does)")
+    expect = playwright_api.expect
+    sweep = service.http.post("/sweeps", json=sweep_file(spec, parallel=3)).json()
+    service.runtime.sweep_runner.tick()
+    started = trials(service, sweep["id"])
+    for trial in started[:2]:
+        submission_id = run(service, trial["job"])
+        report(service, trial["job"], {10: 2.0, 20: 1.0 + trial["trial"], 40: 0.5 + trial["trial"]})
+        service.backend.statuses[submission_id] = RayJobStatus.SUCCEEDED
+        service.tick()
+    with playwright_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+        page.goto(f"{service.http.base_url}/sweeps/{sweep['id']}")
+        expect(page.locator("#trials tbody tr")).to_have_count(3)
+        expect(page.locator(f"#trials tr[data-job='{started[0]['job']}']")).to_have_class("best")
+        expect(page.locator("canvas.scatter[data-param='config.lr']")).to_have_attribute("data-points", "2")
+        expect(page.locator("#trials-chart")).to_have_attribute("data-series", "2", timeout=15_000)
+        page.locator("#cancel-sweep").click()
+        expect(page.locator("#sweep-state")).to_have_text("cancelled", timeout=15_000)
+        browser.close()
+    assert service.http.get(f"/sweeps/{sweep['id']}").json()["state"] == "cancelled"
