@@ -9,6 +9,7 @@ and exits 2 (api/extras.py).
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -173,7 +174,7 @@ def data_shard(
 
 @app.command()
 def simulate(
-    trace: Annotated[Path | None, typer.Argument(help="Trace CSV to replay (see --generate).")] = None,
+    trace: Annotated[Path | None, typer.Argument(help="Trace CSV or .csv.gz (see --generate).")] = None,
     nodes: Annotated[int, typer.Option(min=1, help="Nodes of the simulated cluster.")] = 8,
     node: Annotated[str, typer.Option(help="Resources of one node.")] = "CPU=32,GPU=8",
     policy: Annotated[str, typer.Option(help="two-queue, fifo, greedy or share-first.")] = "two-queue",
@@ -202,7 +203,8 @@ def simulate(
         _usage_error(f"--policy must be one of {', '.join(sim.POLICIES)}, got {policy!r}")
     try:
         resources = sim.parse_node(node)
-        with trace.open(newline="", encoding="utf-8") as source:
+        opener = gzip.open if trace.suffix == ".gz" else open  # the suite's traces are gzipped
+        with opener(trace, "rt", newline="", encoding="utf-8") as source:
             jobs = sim.read_trace(source, nodes=nodes, node=resources)
         queues = load(queues_file)
     except (OSError, ValueError) as err:
@@ -216,7 +218,7 @@ def simulate(
         table.add_column(column, justify="right" if column else "left")
     rows = [
         *((name, value.wait) for name, value in result.queues.items()),
-        *((f"{name}, all queued", value.queued) for name, value in result.queues.items()),
+        *((f"{name} queued", value.queued) for name, value in result.queues.items()),
         *(("size " + k, v) for k, v in result.size_classes.items()),
     ]
     for group, stats in rows:
