@@ -11,7 +11,7 @@ from fastapi import Depends, FastAPI, Response
 
 from api import errors
 from api.deps import AUTH_RESPONSES, RuntimeDep, get_current_user
-from api.limits import BodyLimit
+from api.limits import BodyLimit, CleanText
 from api.routes import auth, compare, internal, jobs, logs, metrics, plan, queues, streams
 from api.schemas import Alive, Health, error_responses
 from api.web import views as web
@@ -72,6 +72,7 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         responses=error_responses(413, 503),
     )
     app.add_middleware(BodyLimit)
+    app.add_middleware(CleanText)  # outermost: before any body is read
     _standard_openapi(app)
     errors.install(app)
     web.install(app)  # first: its page at /jobs/{id} answers browsers, the JSON route everyone else

@@ -22,7 +22,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import JobsDep
-from api.limits import JobId
+from api.limits import PRINTABLE_PATTERN, JobId
 from api.schemas import (
     EventPublic,
     JobPublic,
@@ -231,7 +231,8 @@ async def stream_queues(
     request: Request,
     jobs: JobsDep,
     last_event_id: Annotated[
-        str, Query(max_length=32, description="Resume after this id (as Last-Event-ID).")
+        str,
+        Query(max_length=32, pattern=PRINTABLE_PATTERN, description="Resume after this id (Last-Event-ID)."),
     ] = "",
     last_event_id_header: Annotated[str, Header(alias="Last-Event-ID", max_length=32)] = "",
 ) -> EventSourceResponse:
