@@ -12,7 +12,7 @@ from fastapi import Depends, FastAPI, Response
 from api import errors
 from api.deps import AUTH_RESPONSES, RuntimeDep, get_current_user
 from api.limits import BodyLimit, CleanText
-from api.routes import auth, compare, internal, jobs, logs, metrics, plan, queues, streams
+from api.routes import auth, code, compare, internal, jobs, logs, metrics, plan, queues, streams, tracking
 from api.schemas import Alive, Health, error_responses
 from api.web import views as web
 from service.contract.errors import ClusterUnavailable
@@ -71,7 +71,7 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         # Any request: a body too large (api.limits), the database or Ray unreachable.
         responses=error_responses(413, 503),
     )
-    app.add_middleware(BodyLimit)
+    app.add_middleware(BodyLimit, code_max_bytes=runtime.settings.code_max_bytes)
     app.add_middleware(CleanText)  # outermost: before any body is read
     _standard_openapi(app)
     errors.install(app)
@@ -79,7 +79,17 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
     # Everything needs a user (service.auth) but the trainers' telemetry and what monitoring reads
     # (the health check, Prometheus' aggregate metrics); the routes that change a job or a token check
     # who that user is.
-    for router in (jobs.router, logs.router, queues.router, streams.router, plan.router, compare.router):
+    routers = (
+        jobs.router,
+        logs.router,
+        queues.router,
+        streams.router,
+        plan.router,
+        code.router,
+        compare.router,
+        tracking.router,
+    )
+    for router in routers:
         app.include_router(router, dependencies=[Depends(get_current_user)], responses=AUTH_RESPONSES)
     app.include_router(auth.router, responses=AUTH_RESPONSES)
     app.include_router(internal.router)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -28,7 +30,7 @@ from rich.table import Table
 
 from api.client import ApiaryClient, ApiaryClientError, ApiaryInvalid
 from api.schemas import JobPublic
-from service.contract.errors import one_line
+from service.contract.errors import CodeError, one_line
 from service.contract.spec import JobSpec, field_line, parse_spec_text
 from service.contract.states import TERMINAL_STATES, JobState
 
@@ -47,7 +49,7 @@ JobId = Annotated[int, typer.Argument(help="The job's id.")]
 
 
 def register(app: typer.Typer) -> None:
-    for command in (submit, jobs, queue, show, logs, watch, cancel, preempt, compare):
+    for command in (submit, jobs, queue, show, logs, watch, cancel, preempt, compare, tensorboard):
         app.command()(command)
 
 
@@ -58,6 +60,14 @@ def register(app: typer.Typer) -> None:
 def submit(
     file: Annotated[Path, typer.Argument(help="The job spec (YAML or JSON).")],
     watch_: Annotated[bool, typer.Option("--watch", help="Then watch it until it ends.")] = False,
+    code: Annotated[
+        Path | None,
+        typer.Option(
+            "--code",
+            help="Ship this folder with the job (without .git, __pycache__, .venv and what its "
+            ".apiaryignore lists): every worker imports from it, and the trainer may be a module in it.",
+        ),
+    ] = None,
     url: Url = None,
     token: Token = None,
     as_json: AsJson = False,
@@ -66,7 +76,9 @@ def submit(
     text, spec = _read_spec(file)
     with _client(url, token) as client:
         try:
-            job = client.submit(spec)
+            job = client.submit(spec, code=code)
+        except CodeError as err:  # the folder, before anything was sent
+            _fail(f"--code {code}: {err}", code=2)
         except ApiaryInvalid as err:
             line = field_line(text, _loc(err.field)) if err.field else None
             where = f"{file}:{line}" if line else str(file)
@@ -274,6 +286,37 @@ def compare(
     console.print(table)
     if not found.spec_diff:
         console.print("[dim]the specs are the same[/]")
+
+
+def tensorboard(
+    job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids [default: every job].")] = None,
+    print_only: Annotated[
+        bool, typer.Option("--print", help="Only print the folders, even where TensorBoard is installed.")
+    ] = False,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TensorBoard's port.")] = 6006,
+    url: Url = None,
+    token: Token = None,
+) -> None:
+    """Print the jobs' TensorBoard folders, then start TensorBoard on them when it is installed."""
+    with _client(url, token) as client:
+        logdirs = client.tensorboard_logdirs(job_ids or [])
+    folders = [logdir.removeprefix("file://") for logdir in logdirs]
+    for folder in folders:
+        print(folder)
+    program = shutil.which("tensorboard")
+    if print_only:
+        return
+    if program is None:
+        console.print(
+            "[dim]TensorBoard is not installed here: `pip install tensorboard`, then run it on these[/]"
+        )
+        return
+    named = job_ids and len(folders) > 1
+    where = (
+        ",".join(f"job-{i}:{f}" for i, f in zip(job_ids or [], folders, strict=True)) if named else folders[0]
+    )
+    flag = "--logdir_spec" if named else "--logdir"
+    os.execv(program, [program, flag, where, "--host", "127.0.0.1", "--port", str(port)])
 
 
 def _number(value: float | None) -> str:

@@ -38,6 +38,7 @@ from pydantic import BaseModel
 from api.schemas import (
     CheckpointPublic,
     CheckpointsPublic,
+    CodePublic,
     ComparePublic,
     EventPublic,
     EventsPublic,
@@ -53,6 +54,8 @@ from api.schemas import (
     TokensPublic,
     UserPublic,
 )
+from service.contract.code import DEFAULT_MAX_BYTES as DEFAULT_CODE_MAX_BYTES
+from service.contract.code import pack
 from service.contract.spec import JobSpec, parse_spec_text
 from service.contract.states import TERMINAL_STATES, JobState
 
@@ -98,6 +101,10 @@ class ApiaryInvalid(ApiaryClientError):
     """422: the request (a job spec) is invalid; `field` names the field."""
 
 
+class ApiaryTooLarge(ApiaryInvalid):
+    """413: the request (a code package) is larger than the server takes."""
+
+
 class ApiaryUnavailable(ApiaryClientError):
     """503: the server or its Ray cluster is unavailable right now."""
 
@@ -107,6 +114,7 @@ _ERRORS: dict[int, type[ApiaryClientError]] = {
     403: ApiaryUnauthorized,
     404: ApiaryNotFound,
     409: ApiaryConflict,
+    413: ApiaryTooLarge,
     422: ApiaryInvalid,
     503: ApiaryUnavailable,
 }
@@ -256,18 +264,46 @@ class ApiaryClient:
     # --- jobs -------------------------------------------------------------------------------
 
     def submit(
-        self, spec: JobSpec | dict[str, Any] | str | Path, *, idempotency_key: str | None = None
+        self,
+        spec: JobSpec | dict[str, Any] | str | Path,
+        *,
+        code: str | Path | None = None,
+        max_code_bytes: int = DEFAULT_CODE_MAX_BYTES,
+        idempotency_key: str | None = None,
     ) -> JobPublic:
-        """Queue a job: a JobSpec, a dict, or the path of a YAML/JSON file. One Idempotency-Key (a
-        fresh uuid unless given) for all tries: the server keeps one job for it."""
+        """Queue a job: a JobSpec, a dict, or the path of a YAML/JSON file. With `code` (a folder), the
+        folder is packed and uploaded first (`upload_code`, refused here above `max_code_bytes`) and the
+        spec names it: the job's trainer may be a module in it. One Idempotency-Key (a fresh uuid unless
+        given) for all tries: the server keeps one job for it."""
         if isinstance(spec, JobSpec):
             payload: dict[str, Any] = spec.model_dump(mode="json")
         elif isinstance(spec, dict):
-            payload = spec
+            payload = dict(spec)
         else:
             payload = parse_spec_text(Path(spec).read_text())
+        if code is not None:
+            payload["code"] = self.upload_code(code, max_bytes=max_code_bytes).digest
         headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
         return self._post("/jobs", JobPublic, resend=True, json=payload, headers=headers)
+
+    def upload_code(self, folder: str | Path, *, max_bytes: int = DEFAULT_CODE_MAX_BYTES) -> CodePublic:
+        """Pack `folder` (service.contract.code: without .git, __pycache__, .venv and what its
+        .apiaryignore lists) and upload it; a spec names it by the answer's `digest`. A folder over
+        `max_bytes` raises `CodeTooLarge` before anything is sent (the server has its own limit:
+        413)."""
+        package = pack(Path(folder), max_bytes=max_bytes)
+        return self._call(
+            "PUT",
+            f"/code/{package.sha256}",
+            CodePublic,
+            resend=True,  # content-addressed: sending it twice stores it once
+            content=package.data,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+
+    def code(self, job_id: int) -> bytes:
+        """The code package job `job_id` ran (a zip), to its owner or an admin."""
+        return self._send("GET", f"/jobs/{job_id}/code", resend=True).content
 
     def get(self, job_id: int) -> JobPublic:
         return self._get(f"/jobs/{job_id}", JobPublic)
@@ -365,6 +401,12 @@ class ApiaryClient:
     def compare(self, job_ids: Sequence[int]) -> ComparePublic:
         """Jobs side by side: final and best metrics, and the spec keys they differ in."""
         return self._get("/compare", ComparePublic, params={"jobs": ",".join(str(i) for i in job_ids)})
+
+    def tensorboard_logdirs(self, job_ids: Sequence[int] = ()) -> list[str]:
+        """The jobs' TensorBoard folders (none given: the storage root, which holds every job's)."""
+        answer = self._send("GET", "/tensorboard", resend=True, params={"job": list(job_ids)})
+        logdirs: list[str] = answer.json()["logdirs"]
+        return logdirs
 
     # --- who you are, and tokens (admins) -------------------------------------------------------
 

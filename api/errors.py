@@ -18,6 +18,8 @@ from service.contract.errors import (
     ApiaryError,
     AttemptSuperseded,
     ClusterUnavailable,
+    CodeTooLarge,
+    CodeUploadOff,
     DatabaseUnavailable,
     Forbidden,
     IdempotencyKeyReused,
@@ -55,6 +57,8 @@ STATUS: dict[type[ApiaryError], int] = {
     Unauthenticated: 401,
     Forbidden: 403,
     TokenNotFound: 404,
+    CodeTooLarge: 413,
+    CodeUploadOff: 403,
 }
 
 

@@ -21,6 +21,7 @@ from urllib.parse import parse_qsl
 from fastapi import Path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.contract.code import DEFAULT_MAX_BYTES, ZIP_OVERHEAD_BYTES, mib
 from service.contract.spec import MAX_INT
 
 MAX_BODY_BYTES = 1024 * 1024
@@ -35,7 +36,12 @@ JobId = Annotated[int, Path(ge=1, le=MAX_INT, description="The job's id.")]
 TokenId = Annotated[int, Path(ge=1, le=MAX_INT, description="The token's id.")]
 
 
-def body_limit(path: str) -> int:
+CODE_PREFIX = "/code/"
+
+
+def body_limit(path: str, *, code_max_bytes: int = DEFAULT_MAX_BYTES) -> int:
+    if path.startswith(CODE_PREFIX):  # a job's code package (api.routes.code)
+        return code_max_bytes + ZIP_OVERHEAD_BYTES
     return MAX_INTERNAL_BODY_BYTES if path.startswith(INTERNAL_PREFIX) else MAX_BODY_BYTES
 
 
@@ -48,17 +54,18 @@ class BodyLimit:
     Content-Length says so, else as soon as the bytes received pass it (whatever the route then did
     with the broken body, the client gets the 413)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *, code_max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.app = app
+        self.code_max_bytes = code_max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = body_limit(scope["path"])
+        limit = body_limit(scope["path"], code_max_bytes=self.code_max_bytes)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _too_large(send, limit)
+            await _too_large(send, limit, path=scope["path"])
             return
         received = 0
         exceeded = False
@@ -79,7 +86,7 @@ class BodyLimit:
             if exceeded:
                 if message["type"] == "http.response.start" and not started:
                     started = True
-                    await _too_large(send, limit)
+                    await _too_large(send, limit, path=scope["path"])
                 return
             started = started or message["type"] == "http.response.start"
             await send(message)
@@ -88,7 +95,7 @@ class BodyLimit:
             await self.app(scope, limited_receive, guarded_send)
         except _BodyTooLarge:
             if not started:
-                await _too_large(send, limit)
+                await _too_large(send, limit, path=scope["path"])
 
 
 def has_control_character(text: str) -> bool:
@@ -136,8 +143,13 @@ class CleanText:
         )
 
 
-async def _too_large(send: Send, limit: int) -> None:
+async def _too_large(send: Send, limit: int, *, path: str) -> None:
     message = f"the request body is larger than {limit} bytes: send less at a time"
+    if path.startswith(CODE_PREFIX):
+        message = (
+            f"the code package is larger than the code limit of {mib(limit - ZIP_OVERHEAD_BYTES)} "
+            "(APIARY_CODE_MAX_BYTES): leave data and checkpoints out of the folder (.apiaryignore)"
+        )
     await _answer(send, 413, {"message": message, "error": "PayloadTooLarge"})
 
 

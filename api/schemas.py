@@ -15,7 +15,7 @@ from service.contract.states import CheckpointState, JobState
 
 if TYPE_CHECKING:  # the SDK (api.client) reads these schemas without the database's modules
     from service.jobs import Comparison, QueueView
-    from service.store.models import ApiToken, Checkpoint, Job, JobEvent, Metric
+    from service.store.models import ApiToken, Checkpoint, CodePackage, Job, JobEvent, Metric
 
 
 class JobUpdate(BaseModel):
@@ -81,6 +81,28 @@ class JobPublic(BaseModel):
     @classmethod
     def build(cls, job: Job) -> JobPublic:
         return cls.model_validate(job)
+
+
+class CodePublic(BaseModel):
+    """A code package its uploader may name in a spec's `code` (PUT /code/{sha256})."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    digest: str = Field(description="What a spec's `code` names: sha256:<hex>.")
+    owner: str
+    files: int
+    size_bytes: int = Field(description="Its files' sizes, unpacked.")
+    created_at: UtcDatetime
+
+    @classmethod
+    def build(cls, package: CodePackage) -> CodePublic:
+        return cls(
+            digest=f"sha256:{package.sha256}",
+            owner=package.owner,
+            files=package.files,
+            size_bytes=package.size_bytes,
+            created_at=package.created_at,
+        )
 
 
 class JobsPublic(BaseModel):
@@ -203,7 +225,7 @@ ERROR_STATUSES = {
     "for telemetry, an attempt that was given up.",
     404: "No such job; for logs also: no such attempt, or Ray has forgotten that attempt's logs.",
     409: "The job is not in a state that allows this (for logs: it has not started yet).",
-    413: "The request body is too large.",
+    413: "The request body is too large (a code package: larger than APIARY_CODE_MAX_BYTES).",
     422: "A field is invalid (its name is in `detail[].loc`), or the job could never run as written.",
     503: "The database or the Ray cluster cannot be reached right now: retry after Retry-After seconds.",
 }

@@ -72,12 +72,13 @@ def check_dataset(
     timeout_s: float,
     max_entries: int = MAX_LIST_ENTRIES,
     max_depth: int = MAX_LIST_DEPTH,
+    field: str = "dataset.uri",
 ) -> None:
-    """Raise `DatasetError` (field `dataset.uri`) unless `uri` lies under one of `roots`, exists and holds
+    """Raise `DatasetError` (naming `field`) unless `uri` lies under one of `roots`, exists and holds
     shards of `data_format`, as found within `timeout_s` by a bounded listing."""
     location = _resolved_location(uri)
     if location is None or not any(_under(location, root) for root in _resolved_roots(roots)):
-        raise _not_available(uri)
+        raise _not_available(uri, field=field)
     future = _listing_pool.submit(
         list_shards,
         location if location.startswith("s3://") else Path(location).as_uri(),
@@ -89,19 +90,21 @@ def check_dataset(
     try:
         future.result(timeout=timeout_s)
     except DatasetMissing:
-        raise _not_available(uri) from None
+        raise _not_available(uri, field=field) from None
     except FutureTimeout:
         future.cancel()
         raise DatasetError(
             f"dataset {uri} could not be checked within {timeout_s:g} s: write it with a manifest "
-            "(apiary data shard) or point at a smaller folder"
+            "(apiary data shard) or point at a smaller folder",
+            field=field,
         ) from None
 
 
-def _not_available(uri: str) -> DatasetError:
+def _not_available(uri: str, *, field: str) -> DatasetError:
     # One text for "outside the data roots" and "does not exist": neither tells what is on the host.
     return DatasetError(
-        f"dataset {uri} does not exist or is not under a data root this Apiary may read (APIARY_DATA_ROOTS)"
+        f"dataset {uri} does not exist or is not under a data root this Apiary may read (APIARY_DATA_ROOTS)",
+        field=field,
     )
 
 

@@ -72,6 +72,7 @@ class ClusterBackend(Protocol):
         entrypoint: str,
         env_vars: dict[str, str],
         py_modules: list[str] | None = None,
+        working_dir: str | None = None,
     ) -> None: ...
 
     def job_info(self, submission_id: str) -> RayJobInfo: ...
@@ -103,9 +104,14 @@ class CurrentBackend:
         entrypoint: str,
         env_vars: dict[str, str],
         py_modules: list[str] | None = None,
+        working_dir: str | None = None,
     ) -> None:
         self.current.submit(
-            submission_id=submission_id, entrypoint=entrypoint, env_vars=env_vars, py_modules=py_modules
+            submission_id=submission_id,
+            entrypoint=entrypoint,
+            env_vars=env_vars,
+            py_modules=py_modules,
+            working_dir=working_dir,
         )
 
     def job_info(self, submission_id: str) -> RayJobInfo:
@@ -220,12 +226,17 @@ class RayBackend:
         entrypoint: str,
         env_vars: dict[str, str],
         py_modules: list[str] | None = None,
+        working_dir: str | None = None,
     ) -> None:
         """`py_modules`: local package folders that Ray uploads (once per content) and puts on the
-        path of the job's driver, workers and tasks, on every node."""
+        path of the job's driver, workers and tasks, on every node. `working_dir`: the job's own code,
+        a local zip (service.code) that Ray uploads the same way and unpacks on every node as the
+        working folder of those processes, on their path after the `py_modules`."""
         runtime_env: dict[str, object] = {"env_vars": env_vars}
         if py_modules:
             runtime_env |= {"py_modules": py_modules, "excludes": ["__pycache__"]}
+        if working_dir:
+            runtime_env["working_dir"] = working_dir
         # The driver takes no CPU: the gang's resources are the workers' and Ray Data's.
         self._jobs.submit_job(
             entrypoint=entrypoint,

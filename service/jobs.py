@@ -19,23 +19,29 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import auth, compare, logs
+from service import auth, compare, logs, tracking
 from service.allowlists import check_dataset, check_trainer
 from service.auth import User
 from service.capacity import ClusterSnapshot, capacity_text, fits_empty_cluster, gang_for
 from service.cluster import ClusterBackend, stop_job
+from service.code import CodeStore, Incoming, sha256_of, trainer_in_code
+from service.contract.code import mib, read_package, shadowed
 from service.contract.errors import (
     AttemptSuperseded,
     ClusterUnavailable,
+    CodeError,
+    CodeUploadOff,
     IdempotencyKeyReused,
     InvalidReport,
     InvalidSpec,
     InvalidTransition,
+    JobNotFound,
     ReportRefused,
     Unschedulable,
 )
@@ -64,7 +70,7 @@ from service.planning.measured import measured_plan
 from service.settings import Settings
 from service.store import repository
 from service.store.db import Database
-from service.store.models import Checkpoint, IdempotencyKey, Job, JobEvent, Metric, utcnow
+from service.store.models import Checkpoint, CodePackage, IdempotencyKey, Job, JobEvent, Metric, utcnow
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +123,14 @@ def in_use_by_queue(jobs: Iterable[Job], *, data_cpus: float) -> dict[str, dict[
     return in_use
 
 
+@dataclass(frozen=True, kw_only=True)
+class JobCode:
+    """A job's code package, as `GET /jobs/{id}/code` gives it back."""
+
+    digest: str
+    chunks: Iterator[bytes]
+
+
 @dataclass(frozen=True)
 class JobHistory:
     job: Job
@@ -146,6 +160,10 @@ class JobService:
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
 
+    @property
+    def code(self) -> CodeStore:
+        return CodeStore.of(self.settings)
+
     def submit(self, spec: JobSpec, *, by: User) -> Job:
         """Check that the job can run, then queue it, owned by `by`. A refused job writes nothing.
 
@@ -171,7 +189,12 @@ class JobService:
         self._check_priority(spec)
         auth.check_priority(by, spec.priority, ceiling=self.settings.user_max_priority)
         spec = self._apply_queue(spec)
-        check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
+        package = self._code_of(spec, by=by)
+        # A trainer from the job's own code is the owner's to run: the allowlist is for what is
+        # installed beside the service.
+        from_code = package is not None and trainer_in_code(package[0], spec.trainer)[0]
+        if not from_code:
+            check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
         check_dataset(
             spec.dataset.uri,
             roots=self.settings.resolved_data_roots,
@@ -179,10 +202,27 @@ class JobService:
             s3_endpoint_url=self.settings.s3_endpoint_url,
             timeout_s=self.settings.dataset_check_timeout_s,
         )
+        if spec.eval is not None:
+            check_dataset(
+                spec.eval.dataset.uri,
+                roots=self.settings.resolved_data_roots,
+                data_format=spec.eval.dataset.format,
+                s3_endpoint_url=self.settings.s3_endpoint_url,
+                timeout_s=self.settings.dataset_check_timeout_s,
+                field="eval.dataset.uri",
+            )
         self._check_fits(spec)
         try:
             with self.db.session() as session:
                 job = repository.create_job(session, spec=spec, owner=owner)
+                if package is not None:
+                    code = package[1]
+                    repository.record_event(
+                        session,
+                        job,
+                        actor=owner,
+                        reason=f"code {spec.code} ({code.files} files, {mib(code.size_bytes)})",
+                    )
                 if key is not None:
                     repository.add_idempotency_key(
                         session,
@@ -208,6 +248,97 @@ class JobService:
                     extra={"action": "idempotent_race", "job": {"id": found.job_id}},
                 )
                 return self._replay(session, found, digest)
+
+    def _code_of(self, spec: JobSpec, *, by: User) -> tuple[Path, CodePackage] | None:
+        """The package a spec names, checked: code uploads on, the submitter's own upload (an admin
+        may name anyone's), in storage, and nothing in it that shadows Apiary."""
+        if spec.code is None:
+            return None
+        self.require_code_upload()
+        sha256 = sha256_of(spec.code)
+        with self.db.session() as session:
+            found = repository.find_code_package(session, sha256=sha256, owner=None if by.admin else by.name)
+        if found is None:
+            raise CodeError(
+                f"{spec.code} is not a code package you uploaded: upload it first (apiary submit --code "
+                "DIR, or PUT /code/<sha256>)"
+            )
+        try:
+            path = self.code.local_path(sha256)
+        except OSError as err:
+            raise ClusterUnavailable(f"the code package cannot be read from storage: {err}") from err
+        contents = read_package(path, max_bytes=self.settings.code_max_bytes)
+        if (why := shadowed(contents.names)) is not None:
+            raise CodeError(why)
+        return path, found
+
+    def require_code_upload(self) -> None:
+        """403 (`CodeUploadOff`) unless this service takes code with a job (APIARY_CODE_UPLOAD)."""
+        if not self.settings.code_upload:
+            raise CodeUploadOff(
+                "this service takes no code with a job (APIARY_CODE_UPLOAD=false): name a trainer "
+                "installed in its image instead"
+            )
+
+    def add_code(self, incoming: Incoming, *, sha256: str, by: User) -> tuple[CodePackage, bool]:
+        """Store an uploaded package (once per content) and record that `by` uploaded it; True when
+        this is `by`'s first upload of it. Refused (`CodeError`, 422) when its bytes are not `sha256`,
+        it is not a package within the limit, or it holds a top-level package named like Apiary's."""
+        self.require_code_upload()
+        incoming.close()
+        if incoming.sha256 != sha256:
+            raise CodeError(
+                f"the body's sha256 is {incoming.sha256}, not {sha256}: the upload was cut or changed",
+                field="sha256",
+            )
+        contents = read_package(incoming.path, max_bytes=self.settings.code_max_bytes)
+        if (why := shadowed(contents.names)) is not None:
+            raise CodeError(why)
+        try:
+            self.code.put(sha256, incoming.path)
+        except OSError as err:
+            raise ClusterUnavailable(f"the code package cannot be written to storage: {err}") from err
+        try:
+            with self.db.session() as session:
+                created = repository.add_code_package(
+                    session,
+                    sha256=sha256,
+                    owner=by.name,
+                    size_bytes=contents.size_bytes,
+                    files=len(contents.names),
+                )
+        except IntegrityError:  # the same owner's concurrent upload of the same bytes
+            created = False
+        with self.db.session() as session:
+            found = repository.find_code_package(session, sha256=sha256, owner=by.name)
+            assert found is not None
+        if created:
+            logger.info(
+                "code package stored",
+                extra={"action": "code_stored", "code": {"sha256": sha256, "owner": by.name}},
+            )
+        return found, created
+
+    def job_code(self, job_id: int, *, by: User) -> JobCode:
+        """A job's code package: its owner's or an admin's to read."""
+        with self.db.session() as session:
+            job = repository.get_job(session, job_id)
+            auth.require_owner_or_admin(by, owner=job.owner, job_id=job_id, action="read the code of")
+            digest = JobSpec.model_validate(job.spec).code
+        if digest is None:
+            raise JobNotFound(f"job {job_id} was submitted without code")
+        sha256 = sha256_of(digest)
+        try:
+            chunks = self.code.chunks(sha256)
+            first = next(chunks, b"")
+        except OSError as err:
+            raise ClusterUnavailable(f"the code package cannot be read from storage: {err}") from err
+
+        def all_chunks() -> Iterator[bytes]:
+            yield first
+            yield from chunks
+
+        return JobCode(digest=digest, chunks=all_chunks())
 
     def _check_priority(self, spec: JobSpec) -> None:
         low, high = self.settings.priority_min, self.settings.priority_max
@@ -538,6 +669,13 @@ class JobService:
                 points = repository.list_metrics(session, job_id, query)
                 runs.append((job, compare.summarize((point.step, point.values) for point in points)))
         return Comparison(runs=runs, spec_diff=compare.spec_diff([job.spec for job, _ in runs]))
+
+    def tensorboard_logdirs(self, job_ids: Sequence[int]) -> list[str]:
+        """The TensorBoard folders of these jobs (JobNotFound for an unknown one), or the storage root."""
+        with self.db.session() as session:
+            for job_id in job_ids:
+                repository.get_job(session, job_id)
+        return tracking.logdirs(self.settings, job_ids)
 
     def list_checkpoints(self, job_id: int) -> list[Checkpoint]:
         with self.db.session() as session:

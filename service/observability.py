@@ -173,6 +173,14 @@ class Metrics:
             "Metric points received from trainer ranks (a re-posted point counts again).",
             registry=self.registry,
         )
+        self.export_dropped_points = Counter(
+            "apiary_export_dropped_points",
+            "Metric points a tracker (TensorBoard, MLflow) could not take for too long, and dropped.",
+            ["sink"],
+            registry=self.registry,
+        )
+        for sink in ("tensorboard", "mlflow"):
+            self.export_dropped_points.labels(sink)
         for queue in Queue:  # every series from the start: a dashboard sees 0, not nothing
             self.admission_wait.labels(queue.value)
             self.restarts.labels(queue.value)
@@ -204,6 +212,9 @@ class Metrics:
 
     def job_preempted(self, *, queue: str, by: str) -> None:
         self.preemptions.labels(queue, by).inc()
+
+    def export_dropped(self, sink: str, count: int) -> None:
+        self.export_dropped_points.labels(sink).inc(count)
 
     def points_ingested(self, count: int) -> None:
         if count:

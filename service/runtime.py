@@ -13,6 +13,7 @@ from service.observability import Metrics
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings, secret_value
 from service.store.db import Database
+from service.tracking import Exporter
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class Runtime:
         self._auth: Auth | None = None
         self._scheduler: Scheduler | None = None
         self._backend: CurrentBackend | None = None
+        self._exporter: Exporter | None = None
         self._stopping = threading.Event()
         self._watchdog: threading.Thread | None = None
 
@@ -80,6 +82,12 @@ class Runtime:
         self.metrics.watch_database(self._jobs.gauges)
         if self._run_scheduler:  # tests drive `scheduler.tick()` themselves
             self._scheduler.start()
+        scheduler = self._scheduler
+        self._exporter = Exporter.from_settings(
+            self.settings, db=self.db, metrics=self.metrics, is_leader=lambda: scheduler.is_leader
+        )
+        if self._exporter is not None and self._run_scheduler:
+            self._exporter.start()
         if self.local_ray is not None:
             self._watchdog = threading.Thread(
                 target=self._watch_local_ray, name="apiary-ray-watch", daemon=True
@@ -129,10 +137,17 @@ class Runtime:
             return 0
         return self._scheduler.drain(timeout_s=self.settings.queues.preempt_grace_s + 15)
 
+    @property
+    def exporter(self) -> Exporter | None:
+        """What sends metrics to TensorBoard and MLflow (service.tracking); None with both off."""
+        return self._exporter
+
     def stop(self) -> None:
         self._stopping.set()
         if self._scheduler is not None:
             self._scheduler.stop()
+        if self._exporter is not None:
+            self._exporter.stop()
         if self.local_ray is not None:
             self.local_ray.stop()
             self.local_ray = None

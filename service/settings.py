@@ -12,6 +12,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.contract import queues
+from service.contract.code import DEFAULT_MAX_BYTES as DEFAULT_CODE_MAX_BYTES
 from service.contract.queues import QueuesConfig
 from service.contract.spec import MAX_PRIORITY
 from service.planning.formulas import DEFAULT_MTBF_S
@@ -71,6 +72,17 @@ class Settings(BaseSettings):
         "py_modules), so that the cluster's nodes need no copy of Apiary; off when the nodes run an "
         "image with Apiary installed.",
     )
+    code_upload: bool = Field(
+        default=True,
+        description="Take a job's own code with it (`apiary submit --code DIR`, PUT /code): stored by its "
+        "sha256 beside the checkpoints and shipped to the workers as Ray's working_dir. Off: 403.",
+    )
+    code_max_bytes: int = Field(
+        default=DEFAULT_CODE_MAX_BYTES,
+        gt=0,
+        le=500 * 2**20,  # Ray keeps a working_dir in its GCS, which takes at most 512 MiB (gRPC's limit)
+        description="The largest code package a job may bring, unpacked (its files' sizes added up).",
+    )
     # The usual AWS variables (no APIARY_ prefix), read here so that the scheduler can hand them to
     # each job: a job's runtime_env reaches its driver, Train workers and Ray Data tasks on every node,
     # which the service's own environment does not on a cluster that Apiary did not start.
@@ -84,6 +96,20 @@ class Settings(BaseSettings):
         default=True,
         description="Pass the AWS variables above to every job (off when the cluster's nodes have their "
         "own credentials, e.g. an instance role). Ray shows a job's runtime_env to its dashboard's readers.",
+    )
+
+    tensorboard: bool = Field(
+        default=True,
+        description="Write every job's metrics as TensorBoard event files under "
+        "{storage_uri}/job-N/tensorboard (service.tracking).",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        description="An MLflow tracking server (http://host:5000): every job becomes an MLflow run there "
+        "(service.tracking). Needs the `mlflow` package.",
+    )
+    export_interval_s: float = Field(
+        default=2.0, gt=0, description="How often new metric points go to TensorBoard and MLflow."
     )
 
     migrate_on_start: bool = Field(

@@ -64,7 +64,7 @@ from ray.data import ExecutionOptions, ExecutionResources
 from ray.train.v2.api.config import FailureConfig
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
-from service.contract.errors import one_line
+from service.contract.errors import DatasetError, one_line
 from service.contract.handoff import LOOP_CONFIG_KEY, pointer_from_env, read_launch, read_token
 from service.contract.protocol import (
     LAUNCH_ENV_VAR,
@@ -89,7 +89,7 @@ from trainers.ray_private import (
     is_ray_train_error,
     unwrap_user_exception,
 )
-from trainers.recipe import BUILTIN_RECIPES, import_trainer, recipe_for
+from trainers.recipe import BUILTIN_RECIPES, Recipe, import_trainer, recipe_for
 from trainers.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -201,6 +201,9 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
     recipe = recipe_for(spec) if kind is TrainerKind.RECIPE else None
     train_fn = train_function_for(kind, spec.trainer)
     dataset_info = inspect_dataset(spec, recipe=recipe, s3_endpoint_url=request.s3_endpoint_url)
+    eval_info = inspect_eval_dataset(
+        spec, recipe=recipe, train=dataset_info, s3_endpoint_url=request.s3_endpoint_url
+    )
     startup.mark("checked")
     storage_path, storage_filesystem = resolve_uri(
         request.storage_uri, s3_endpoint_url=request.s3_endpoint_url
@@ -233,6 +236,7 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
         train_loop_config={
             "request": request.model_dump(mode="json"),
             "dataset": dataset_info.to_dict(),
+            "eval_dataset": eval_info.to_dict() if eval_info is not None else None,
             LOOP_CONFIG_KEY: pointer.model_dump(mode="json") if pointer is not None else None,
         },
         backend_config=ProcessGroupConfig(backend="nccl" if spec.uses_gpu else "gloo"),
@@ -283,6 +287,25 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
         checkpoint_path=checkpoint.path if checkpoint is not None else None,
         elapsed_s=time.monotonic() - started,
     )
+
+
+def inspect_eval_dataset(
+    spec: JobSpec, *, recipe: Recipe[Any] | None, train: DatasetInfo, s3_endpoint_url: str | None
+) -> DatasetInfo | None:
+    """The spec's eval dataset, checked on the driver as the training data is (its rows must have the
+    training data's shape: the model is sized by it); None without `eval`, or for a function trainer."""
+    if spec.eval is None or recipe is None:
+        return None
+    info = inspect_dataset(
+        spec.model_copy(update={"dataset": spec.eval.dataset}), recipe=recipe, s3_endpoint_url=s3_endpoint_url
+    )
+    if info.row_shape != train.row_shape:
+        raise DatasetError(
+            f"eval dataset {info.uri}: rows of shape {info.row_shape}, the training data's are "
+            f"{train.row_shape}",
+            field="eval.dataset.uri",
+        )
+    return info
 
 
 def trainer_kind(trainer: str) -> TrainerKind:

@@ -28,7 +28,8 @@ on every rank.
    after `anomaly.max_rollbacks` of them stops the job. The detecting rank posts an `anomaly` event
    and rank 0 a `rollback` event (`Telemetry.event`).
 5. Each step, record this rank's metrics (`STEP_METRICS`, and the metrics the recipe's `loss`
-   returns) as telemetry.
+   returns) as telemetry; at eval steps (`spec.eval`, `trainers.evaluation`) rank 0's also carry the
+   eval metrics, averaged over the ranks.
 6. At the end of every step the ranks agree (`Checkpointer.end_step`, one small collective per step)
    on whether to checkpoint (`checkpoint.every_steps`, `checkpoint.every_s`, `max_steps`) and
    whether to stop. A checkpoint is copied to host memory at that step and written in the
@@ -69,6 +70,7 @@ from trainers import startup
 from trainers.anomaly import Anomaly, AnomalyDetector, decide, encode
 from trainers.checkpoint import Checkpointer, Resume, TrainParts, TrainState, seed_rank
 from trainers.data import DatasetInfo, RankBatches, iter_batches_for_rank
+from trainers.evaluation import Evaluator
 from trainers.parallel import autocast, clip_grad_norm, gather_values, parallelize, rank0_value
 from trainers.recipe import Recipe, recipe_for, split_loss
 from trainers.telemetry import Telemetry
@@ -138,6 +140,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 ready_s=time.perf_counter() - started,
             )
 
+        evaluator = (
+            Evaluator(
+                request,
+                DatasetInfo.from_dict(loop_config["eval_dataset"]),
+                trainer,
+                rank=rank,
+                world_size=world_size,
+                device=device,
+            )
+            if loop_config.get("eval_dataset") is not None
+            else None
+        )
         detector = AnomalyDetector.from_spec(spec.anomaly, rank=rank)
         grad_clip = trainer.grad_clip or math.inf
         last_log = -math.inf
@@ -207,6 +221,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "epoch": float(epoch),
                 **metric_values(recipe_metrics),
             }
+            if evaluator is not None and evaluator.due(
+                state.step, checkpoint_due=checkpointer.due(state.step)
+            ):
+                telemetry.progress("eval", step=state.step)
+                evaluated = evaluator.run(parts.model)
+                if rank == 0:
+                    values.update(evaluated)
             telemetry.record(state.step, values)
             if startup.mark("step_1_done"):
                 startup.emit(f"rank {rank}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response, status
+from fastapi.responses import StreamingResponse
 
 from api.deps import ADMIN_RESPONSES, OWNER_RESPONSES, CurrentUser, JobsDep, SchedulerDep
 from api.limits import PRINTABLE_PATTERN, JobId
@@ -144,3 +145,30 @@ def list_checkpoints(job_id: JobId, jobs: JobsDep) -> CheckpointsPublic:
     and rank 0's step metrics; the job's `latest_checkpoint` is always kept."""
     checkpoints = jobs.list_checkpoints(job_id)
     return CheckpointsPublic(data=[CheckpointPublic.build(c) for c in checkpoints], count=len(checkpoints))
+
+
+@router.get(
+    "/{job_id}/code",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {"application/zip": {"schema": {"type": "string", "format": "binary"}}},
+            "description": "The job's code package (header X-Apiary-Code: its sha256:<hex>).",
+        },
+        **OWNER_RESPONSES,
+        **error_responses(404, 422, 503),
+    },
+)
+def job_code(job_id: JobId, jobs: JobsDep, user: CurrentUser) -> StreamingResponse:
+    """The code package the job ran (`apiary submit --code`), so that the run can be reproduced: its
+    owner's or an admin's to read. 404 for a job submitted without code."""
+    code = jobs.job_code(job_id, by=user)
+    sha256 = code.digest.removeprefix("sha256:")
+    return StreamingResponse(
+        code.chunks,
+        media_type="application/zip",
+        headers={
+            "X-Apiary-Code": code.digest,
+            "Content-Disposition": f'attachment; filename="job-{job_id}-code-{sha256[:12]}.zip"',
+        },
+    )

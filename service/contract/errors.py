@@ -32,6 +32,22 @@ class DatasetError(InvalidSpec):
         super().__init__(message, field=field)
 
 
+class CodeError(InvalidSpec):
+    """The job's code package cannot be used as it is (service.contract.code)."""
+
+    def __init__(self, message: str | None = None, *, field: str | None = "code") -> None:
+        super().__init__(message, field=field)
+
+
+class CodeTooLarge(CodeError):
+    """The job's code is larger than the service's limit (APIARY_CODE_MAX_BYTES)."""
+
+
+class CodeUploadOff(ApiaryError):
+    """This service takes no code with a job (APIARY_CODE_UPLOAD=false): use a trainer installed in its
+    image."""
+
+
 class InvalidTransition(ApiaryError):
     """The job cannot move to that state from where it is."""
 

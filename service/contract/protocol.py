@@ -209,7 +209,8 @@ class RankStatus(Strict):
     phase: str = Field(
         pattern=r"^[a-z_]{1,16}$",
         description="starting | data (waiting for its next batch) | compute (forward and backward, "
-        "which includes DDP's gradient all-reduce) | sync (the step's collective) | checkpoint | done",
+        "which includes DDP's gradient all-reduce) | sync (the step's collective) | checkpoint | eval "
+        "(the held-out evaluation after the step) | done",
     )
     phase_since: Float = Field(description="When it entered `phase` (Unix seconds).")
     node: str = Field(max_length=128, pattern=NO_NUL, description="The node it runs on (IP and Ray node id).")

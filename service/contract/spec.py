@@ -43,6 +43,7 @@ NO_NUL = r"^[^\x00]*$"
 # Matched whole (`fullmatch`); the same patterns are in the OpenAPI schema, so that a client generating
 # specs from it and the server agree.
 _IMPORT_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+_CODE_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _RESOURCE = re.compile(r"[A-Za-z_][A-Za-z0-9_:.-]{0,63}")
 MAX_TRAINER_CHARS = 256
@@ -181,6 +182,35 @@ class CheckpointSpec(Strict):
         if self.auto and self.every_s is not None:
             raise ValueError("set every_s or auto: true, not both (auto chooses the time between saves)")
         return self
+
+
+# Eval metrics are recorded as `eval_<name>` (`eval_loss`), beside the step's training metrics.
+EVAL_PREFIX = "eval_"
+
+
+class EvalSpec(Strict):
+    """Evaluation on held-out data, for recipes (the built-ins too): every `every_steps` steps and once
+    at the end, the model runs without gradients over the same batches of `dataset` each time (each
+    rank its first `max_batches` batches of `batch_size` rows, in the data's order for the job's seed
+    and world size), and the recipe's eval metrics (`eval_loss`, and the rest of what
+    `Recipe.evaluate` returns as `eval_<name>`), averaged over the batches and the ranks, are recorded
+    at their step, where `checkpoint.keep_best.metric` may use them."""
+
+    dataset: DatasetSpec = Field(
+        description="The held-out data, in the training data's format and row shape."
+    )
+    every_steps: Int | None = Field(
+        default=None,
+        le=MAX_INT,
+        ge=1,
+        description="Evaluate every N steps; None: only at the end (a final eval always runs at max_steps).",
+    )
+    max_batches: Int | None = Field(
+        default=None,
+        le=MAX_INT,
+        ge=1,
+        description="Batches each rank evaluates; None: its whole share of the dataset (kept in memory).",
+    )
 
 
 class AnomalyAction(StrEnum):
@@ -331,6 +361,13 @@ class JobSpec(Strict):
         description="'mlp', 'gpt', or an importable 'package.module:function'.",
         json_schema_extra={"pattern": f"^({'|'.join(BUILTIN_TRAINERS)}|{_IMPORT_PATH.pattern})$"},
     )
+    code: str | None = Field(
+        default=None,
+        description="The job's own code: the sha256 of a package its owner uploaded (`apiary submit --code "
+        "DIR` packs and uploads DIR and sets this). It is every worker's Ray working_dir, first on the "
+        "path: `trainer` may name a module in it.",
+        json_schema_extra={"pattern": f"^{_CODE_DIGEST.pattern}$"},
+    )
     num_workers: Int | ElasticWorkers = Field(
         description="Workers of the group: a number, or {min, max} for elastic training (see ElasticWorkers)."
     )
@@ -376,6 +413,11 @@ class JobSpec(Strict):
         description="Stopped with a checkpoint after running this long; a research job without one gets "
         "its queue's default. The scheduler lets a job with one start in gaps that end before a reservation.",
     )
+    eval: EvalSpec | None = Field(
+        default=None,
+        validate_default=True,
+        description="Held-out evaluation (recipes): {dataset: {uri: ...}, every_steps: N, max_batches: K}.",
+    )
     config: dict[str, Any] = Field(
         default_factory=dict,
         description=f"The trainer's hyperparameters (built-ins: MLPConfig, GPTConfig); at most "
@@ -397,6 +439,27 @@ class JobSpec(Strict):
         if trainer not in BUILTIN_TRAINERS and not _IMPORT_PATH.fullmatch(trainer):
             raise ValueError(f"must be one of {', '.join(BUILTIN_TRAINERS)} or 'package.module:function'")
         return trainer
+
+    @field_validator("eval")
+    @classmethod
+    def _eval_for_keep_best(cls, eval_spec: EvalSpec | None, info: ValidationInfo) -> EvalSpec | None:
+        checkpoint = info.data.get("checkpoint")
+        keep_best = checkpoint.keep_best if isinstance(checkpoint, CheckpointSpec) else None
+        if eval_spec is None and keep_best is not None and keep_best.metric.startswith(EVAL_PREFIX):
+            raise ValueError(
+                f"checkpoint.keep_best.metric {keep_best.metric!r} is an eval metric: set eval "
+                "({dataset: {uri: ...}, every_steps: N})"
+            )
+        return eval_spec
+
+    @field_validator("code")
+    @classmethod
+    def _code(cls, code: str | None) -> str | None:
+        if code is not None and not _CODE_DIGEST.fullmatch(code):
+            raise ValueError(
+                "must be 'sha256:' and 64 lowercase hex digits (apiary submit --code DIR sets it)"
+            )
+        return code
 
     @field_validator("num_workers", mode="before")
     @classmethod

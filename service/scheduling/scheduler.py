@@ -60,6 +60,7 @@ from service.capacity import (
     gang_for,
 )
 from service.cluster import ClusterBackend, RayJobStatus, stop_job, submission_prefix
+from service.code import CodeStore, sha256_of
 from service.contract.errors import ClusterUnavailable, one_line
 from service.contract.handoff import Handoff, new_token, run_name, token_hash, write_handoff
 from service.contract.protocol import (
@@ -489,9 +490,9 @@ class Scheduler:
         silent = sorted(
             (rank for rank in ranks if now - rank["seen"] > 3 * HEARTBEAT_S), key=lambda r: r["seen"]
         )
-        writing = [rank for rank in ranks if rank["phase"] == "checkpoint" and rank not in silent]
+        writing = [rank for rank in ranks if rank["phase"] in ("checkpoint", "eval") and rank not in silent]
         if writing and idle_s < CHECKPOINT_HANG_FACTOR * timeout_s:
-            return None  # a rank finishes writing a checkpoint: large ones take a while
+            return None  # a rank finishes writing a checkpoint or an eval: large ones take a while
         stuck = sorted(
             (rank for rank in ranks if rank["phase"] not in ("sync", "compute", "done")),
             key=lambda r: r["phase_since"],
@@ -870,12 +871,25 @@ class Scheduler:
             # stores) nor in any log line here.
             **self.settings.job_aws_env(),
         }
+        working_dir = None
+        if launch.request.spec.code is not None:
+            try:
+                working_dir = str(CodeStore.of(self.settings).local_path(sha256_of(launch.request.spec.code)))
+            except OSError as err:
+                logger.warning(
+                    "cannot read the code package of job %s from storage: %s",
+                    job_id,
+                    err,
+                    extra={"action": "code_unavailable", "submission_id": submission_id},
+                )
+                return
         try:
             self.backend.submit(
                 submission_id=submission_id,
                 entrypoint=entrypoint(self.settings.job_python),
                 env_vars=env_vars,
                 py_modules=code_modules() if self.settings.ship_code else None,
+                working_dir=working_dir,
             )
         except Exception as err:
             self._submission_failed(job_id, submission_id, err)
@@ -932,8 +946,8 @@ PRUNE_KEYS_EVERY_S = 300.0
 STARTING_STATES = frozenset({JobState.ADMITTED, JobState.RECOVERING})
 
 
-# A rank that reports it is finishing a checkpoint write gets this many hang timeouts before it counts
-# as hung (its heartbeat shows it is alive; a large checkpoint to S3 takes minutes).
+# A rank that reports it is finishing a checkpoint write (or an eval) gets this many hang timeouts
+# before it counts as hung (its heartbeat shows it is alive; a large checkpoint to S3 takes minutes).
 CHECKPOINT_HANG_FACTOR = 10
 
 

@@ -1,5 +1,6 @@
 """Database tables: jobs, their event history, per-step metrics and checkpoints; the scheduler's lease,
-the owners' fair-share usage, the submissions' idempotency keys, and the API tokens."""
+the owners' fair-share usage, the submissions' idempotency keys, the API tokens, and who uploaded which
+code package."""
 
 from __future__ import annotations
 
@@ -270,3 +271,17 @@ class ApiToken(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class CodePackage(Base):
+    """A job code package that `owner` uploaded (service.code): the package itself is stored once, by its
+    sha256, in storage; a row per owner says who may name it in a spec (a digest seen on another's job
+    page gives no one that job's code)."""
+
+    __tablename__ = "code_packages"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)  # unpacked
+    files: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -23,6 +23,7 @@ from service.store.models import (
     AuthState,
     Checkpoint,
     CheckpointState,
+    CodePackage,
     IdempotencyKey,
     Job,
     JobEvent,
@@ -58,6 +59,26 @@ def create_job(session: Session, *, spec: JobSpec, owner: str, actor: str = "api
     )
     logger.info("job queued", extra={"action": "job_queued", "job": {"id": job.id, "name": job.name}})
     return job
+
+
+# -- code packages (service.code): who uploaded which ----------------------------------------------------
+
+
+def add_code_package(session: Session, *, sha256: str, owner: str, size_bytes: int, files: int) -> bool:
+    """Record that `owner` uploaded the package; False when they had already (nothing changes)."""
+    if session.get(CodePackage, (sha256, owner)) is not None:
+        return False
+    session.add(CodePackage(sha256=sha256, owner=owner, size_bytes=size_bytes, files=files))
+    session.flush()
+    return True
+
+
+def find_code_package(session: Session, *, sha256: str, owner: str | None) -> CodePackage | None:
+    """`owner`'s upload of the package; with `owner` None, anyone's (an admin may run any package)."""
+    query = select(CodePackage).where(CodePackage.sha256 == sha256)
+    if owner is not None:
+        query = query.where(CodePackage.owner == owner)
+    return session.scalars(query.limit(1)).first()
 
 
 # -- idempotency keys (service.jobs: JobService.submit_idempotent) ------------------------------------
@@ -710,13 +731,17 @@ def events_after(session: Session, job_id: int, *, after_id: int, limit: int) ->
     return list(session.scalars(query))
 
 
-def metrics_after(session: Session, job_id: int, *, after_id: int, limit: int) -> tuple[list[Metric], int]:
-    """Up to `limit` points stored after row `after_id`, those that count (no newer attempt or segment
-    trained their step and rank yet), by step then rank; and the last row id read (the new cursor)."""
+def metrics_after(
+    session: Session, job_id: int, *, after_id: int, limit: int, rank: int | None = None
+) -> tuple[list[Metric], int]:
+    """Up to `limit` points stored after row `after_id` (of one `rank`, or all), those that count (no
+    newer attempt or segment trained their step and rank yet), by step then rank; and the last row id
+    read (the new cursor)."""
+    ranks = [Metric.rank == rank] if rank is not None else []
     ids = list(
         session.scalars(
             select(Metric.id)
-            .where(Metric.job_id == job_id, Metric.id > after_id)
+            .where(Metric.job_id == job_id, Metric.id > after_id, *ranks)
             .order_by(Metric.id)
             .limit(limit)
         )
@@ -739,10 +764,30 @@ def metrics_after(session: Session, job_id: int, *, after_id: int, limit: int) -
     )
     query = (
         select(Metric)
-        .where(Metric.job_id == job_id, Metric.id >= ids[0], Metric.id <= ids[-1], ~superseded)
+        .where(Metric.job_id == job_id, Metric.id >= ids[0], Metric.id <= ids[-1], ~superseded, *ranks)
         .order_by(Metric.step, Metric.rank, Metric.attempt, Metric.segment)
     )
     return list(session.scalars(query)), ids[-1]
+
+
+def count_metrics_after(session: Session, job_id: int, *, after_id: int, rank: int) -> tuple[int, int]:
+    """How many points of `rank` are stored after row `after_id`, and the last one's row id."""
+    count, last = session.execute(
+        select(func.count(), func.max(Metric.id)).where(
+            Metric.job_id == job_id, Metric.id > after_id, Metric.rank == rank
+        )
+    ).one()
+    return int(count), int(last) if last is not None else after_id
+
+
+def jobs_to_export(session: Session, *, ended_after: datetime) -> list[Job]:
+    """The jobs whose metrics may still change: those that started and did not end, and those that
+    ended after `ended_after`."""
+    query = select(Job).where(
+        Job.attempt > 0,
+        or_(Job.state.in_(ACTIVE_STATES), Job.finished_at > ended_after),
+    )
+    return list(session.scalars(query.order_by(Job.id)))
 
 
 def stream_cursor(session: Session, job_id: int) -> tuple[int, int]:

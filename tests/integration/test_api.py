@@ -71,6 +71,8 @@ def test_the_gang_waits_until_it_fits_and_says_why(service: Service, spec: dict[
         ({"num_workers": 0}, "num_workers", "greater than or equal to 1"),
         ({"trainer": "no_such_module_xyz:train"}, "trainer", "is not allowed here"),
         ({"dataset": {"uri": "file:///no/such/dataset"}}, "dataset.uri", "does not exist"),
+        ({"eval": {"dataset": {"uri": "file:///no/such/dataset"}}}, "eval.dataset.uri", "does not exist"),
+        ({"checkpoint": {"keep_best": {"metric": "eval_loss", "mode": "min"}}}, "eval", "an eval metric"),
         ({"num_workers": 64, "queue": "full-scale"}, "num_workers", "the cluster has 1 node(s) with 8 CPU"),
         ({"num_workers": 9}, "num_workers", "queue research takes jobs of at most 8 workers"),
         (

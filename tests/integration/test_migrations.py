@@ -27,7 +27,7 @@ def test_upgrade_twice_is_a_no_op(empty_database_url: str) -> None:
     upgrade(engine)
     upgrade(engine)
     with engine.connect() as connection:
-        assert connection.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0011"
+        assert connection.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0012"
     engine.dispose()
 
 

@@ -157,3 +157,36 @@ def test_with_tokens_the_browser_logs_in_and_cancels_its_own_job(
     expect(page.locator("#job-state")).to_have_text("cancelled", timeout=15_000)
     expect(page.locator("#events")).to_contain_text("cancelled by ada")
     assert page.evaluate("document.cookie") == ""  # the script cannot read the token
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_the_job_page_charts_the_eval_loss_of_a_job_with_an_eval(
+    service: Service, page: Any, classification_dataset: str
+) -> None:
+    held_out = {"dataset": {"uri": classification_dataset}, "every_steps": 10}
+    job = service.submit(spec(classification_dataset, name="mlp-eval", eval=held_out))
+    service.tick()
+    service.backend.statuses[service.backend.submission_of(job["id"])] = RayJobStatus.RUNNING
+    service.tick()
+    # Rank 0 records the eval (the mean over the ranks) with its step's own metrics, every 10 steps.
+    points = [
+        {
+            "step": step,
+            "rank": rank,
+            "time": time.time(),
+            "values": {
+                "loss": 1.0 / step,
+                **({"eval_loss": 2.0 / step} if rank == 0 and step % 10 == 0 else {}),
+            },
+        }
+        for rank in (0, 1)
+        for step in range(1, 31)
+    ]
+    assert service.report(job["id"], {"attempt": 1, "points": points}).status_code == 202
+    page.goto(f"{service.http.base_url}/jobs/{job['id']}")
+    chart = page.locator("#eval-chart")
+    playwright_api.expect(chart).to_have_attribute("data-points", "3", timeout=15_000)
+    assert chart.locator("canvas").count() == 1
+    expect_loss = page.locator("#loss-chart")
+    playwright_api.expect(expect_loss).to_have_attribute("data-points", "30", timeout=15_000)
+    page.screenshot(path=str(ARTIFACTS / "web-job-eval.png"), full_page=True)

@@ -31,6 +31,7 @@ class FakeBackend:
     # The runtime_env of the last submission.
     env_vars: dict[str, str] = field(default_factory=dict)
     py_modules: list[str] | None = None
+    working_dir: str | None = None
     # A real cluster to read capacity from (instead of `nodes`), where capacity is under test and
     # running the jobs is not.
     capacity: ClusterBackend | None = None
@@ -63,6 +64,7 @@ class FakeBackend:
         entrypoint: str,
         env_vars: dict[str, str],
         py_modules: list[str] | None = None,
+        working_dir: str | None = None,
     ) -> None:
         if self.run_at_once:
             self.statuses[submission_id] = RayJobStatus.RUNNING
@@ -72,7 +74,7 @@ class FakeBackend:
         self.submitted.append((submission_id, read_launch(pointer)))
         self.tokens[submission_id] = read_token(pointer)
         self.environments[submission_id] = dict(env_vars)
-        self.env_vars, self.py_modules = dict(env_vars), py_modules
+        self.env_vars, self.py_modules, self.working_dir = dict(env_vars), py_modules, working_dir
         self.statuses[submission_id] = RayJobStatus.PENDING
 
     def job_info(self, submission_id: str) -> RayJobInfo:

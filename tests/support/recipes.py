@@ -60,6 +60,12 @@ class CountingLM(Recipe[CountingLMConfig]):
         accuracy = (logits.argmax(-1) == targets).float().mean()
         return loss, {"accuracy": accuracy, "batches_seen": float(self.batches_seen)}
 
+    def evaluate(
+        self, model: nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor | float]:
+        # The loss and its metrics, and what the batch holds: the same batches every eval, the same sum.
+        return {**super().evaluate(model, batch), "token_sum": float(batch["tokens"].sum())}
+
     def build_optimizer(
         self, model: nn.Module, *, max_steps: int
     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:

@@ -133,3 +133,28 @@ def test_elastic_errors_say_what_is_wrong() -> None:
         JobSpec.model_validate(valid(num_workers={"min": 3, "max": 2}))
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         JobSpec.model_validate(valid(num_workers=0))
+
+
+def test_an_eval_section_is_a_dataset_and_a_cadence() -> None:
+    spec = JobSpec.model_validate(valid(eval={"dataset": {"uri": "file:///data/held-out"}, "every_steps": 5}))
+    assert spec.eval is not None and spec.eval.dataset.uri == "file:///data/held-out"
+    assert spec.eval.every_steps == 5 and spec.eval.max_batches is None
+    assert JobSpec.model_validate(valid()).eval is None
+    assert error_fields(valid(eval={"every_steps": 5})) == ["eval.dataset"]
+    assert error_fields(valid(eval={"dataset": {"uri": "/rel"}, "max_batches": 0})) == [
+        "eval.dataset.uri",
+        "eval.max_batches",
+    ]
+
+
+def test_keep_best_by_an_eval_metric_needs_an_eval_section() -> None:
+    keep_best = {"keep_best": {"metric": "eval_loss", "mode": "min"}}
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(valid(checkpoint=keep_best))
+    (error,) = info.value.errors()
+    assert (
+        error["loc"] == ("eval",)
+        and "checkpoint.keep_best.metric 'eval_loss' is an eval metric" in error["msg"]
+    )
+    with_eval = JobSpec.model_validate(valid(checkpoint=keep_best, eval={"dataset": {"uri": "file:///d"}}))
+    assert with_eval.checkpoint.keep_best is not None

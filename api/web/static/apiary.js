@@ -120,10 +120,13 @@
       return found;
     }
 
-    function series(key) {
-      const ranks = [...byRank.keys()].sort((a, b) => a - b);
+    // `reduced`: a value the ranks agreed on (an eval), recorded by rank 0 alone.
+    function series(key, reduced) {
+      const ranks = [...byRank.keys()].sort((a, b) => a - b).filter((rank) => !reduced || rank === 0);
       const steps = new Set();
-      for (const points of byRank.values()) for (const step of points.keys()) steps.add(step);
+      for (const rank of ranks) {
+        for (const [step, point] of byRank.get(rank)) if (!reduced || key in point.values) steps.add(step);
+      }
       const xs = [...steps].sort((a, b) => a - b);
       const data = [xs];
       for (const rank of ranks) {
@@ -152,9 +155,9 @@
       ctx.restore();
     }
 
-    function draw(name, key) {
+    function draw(name, key, reduced = false) {
       const element = document.getElementById(name);
-      const { ranks, data } = series(key);
+      const { ranks, data } = series(key, reduced);
       element.dataset.points = String(data[0].length);
       const existing = charts[name];
       if (existing && existing.ranks === ranks.join(",")) { existing.plot.setData(data); return; }
@@ -175,6 +178,7 @@
     function redraw() {
       draw("loss-chart", "loss");
       draw("throughput-chart", "samples_per_s");
+      if (document.getElementById("eval-chart")) draw("eval-chart", "eval_loss", true);
       rankStats();
     }
 
