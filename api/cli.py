@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -36,6 +37,12 @@ cli_jobs.register(app)
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also show Ray's INFO log lines.")]
 
 
+def _private_files() -> None:
+    """Every file the service writes, and its local Ray's processes (which inherit this) write, is its
+    owner's alone (0600, folders 0700): the data dir holds tokens, logs and checkpoints."""
+    os.umask(0o077)
+
+
 def _settings(**overrides: Any) -> Settings:
     try:
         settings = Settings(**{key: value for key, value in overrides.items() if value is not None})
@@ -53,6 +60,7 @@ def serve(
     verbose: Verbose = False,
 ) -> None:
     """Start the API, the scheduler and (unless APIARY_RAY_ADDRESS is set) a local Ray."""
+    _private_files()
     settings = _settings(host=host, port=port)
     cli_admin.refuse_unsafe_bind(settings)
     configure_logging(settings.log_format)
@@ -67,12 +75,13 @@ def demo(
     verbose: Verbose = False,
 ) -> None:
     """Write a small token dataset, start Apiary, train a tiny GPT on 2 workers, show progress."""
+    _private_files()
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
     route_ray_logs(verbose=verbose)
     port = free_port()
     settings = _settings(port=port)
     cli_admin.refuse_unsafe_bind(settings)
-    dataset = settings.data_dir / "datasets" / "demo-tokens"
+    dataset = settings.datasets_dir / "demo-tokens"
     console.print(f"[bold]1.[/] writing a synthetic token dataset to {dataset}")
     write_demo_dataset(dataset)
     console.print(f"[bold]2.[/] starting Apiary on {settings.resolved_public_url} (SQLite, local Ray)")

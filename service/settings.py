@@ -217,7 +217,8 @@ class Settings(BaseSettings):
     data_roots: str | None = Field(
         default=None,
         description="Comma-separated file:///abs/path folders and s3://bucket/prefix prefixes ('s3://': any "
-        "bucket) a dataset may come from; default: the data dir and any s3:// (service.allowlists).",
+        "bucket) a dataset may come from; default: the data dir's datasets/ folder and any s3:// "
+        "(service.allowlists).",
     )
     dataset_check_timeout_s: float = Field(
         default=10.0, gt=0, description="How long a submission waits for its dataset's listing."
@@ -271,9 +272,14 @@ class Settings(BaseSettings):
         return _split(self.trainer_modules)
 
     @property
+    def datasets_dir(self) -> Path:
+        """The data dir's one folder that holds data (the demo's, by default the only data root)."""
+        return self.data_dir / "datasets"
+
+    @property
     def resolved_data_roots(self) -> tuple[str, ...]:
         if self.data_roots is None:
-            return (str(self.data_dir), "s3://")
+            return (str(self.datasets_dir), "s3://")
         return _split(self.data_roots)
 
     @cached_property
