@@ -11,6 +11,7 @@ from fastapi import Depends, FastAPI, Response
 
 from api import errors
 from api.deps import AUTH_RESPONSES, RuntimeDep, get_current_user
+from api.gate import AuthenticateFirst
 from api.limits import BodyLimit, CleanText
 from api.routes import auth, code, compare, internal, jobs, logs, metrics, plan, queues, streams, tracking
 from api.schemas import Alive, Health, error_responses
@@ -72,7 +73,8 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         responses=error_responses(413, 503),
     )
     app.add_middleware(BodyLimit, code_max_bytes=runtime.settings.code_max_bytes)
-    app.add_middleware(CleanText)  # outermost: before any body is read
+    app.add_middleware(AuthenticateFirst)  # outside BodyLimit: no credential, no byte of the body read
+    app.add_middleware(CleanText)  # outermost: a path or query with a control character reaches nothing
     _standard_openapi(app)
     errors.install(app)
     web.install(app)  # first: its page at /jobs/{id} answers browsers, the JSON route everyone else

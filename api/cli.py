@@ -24,6 +24,7 @@ from api.logformat import configure_logging, route_ray_logs
 from service.cluster import free_port
 from service.contract.errors import one_line
 from service.contract.spec import DataFormat
+from service.runtime import ray_client_env
 from service.settings import Settings
 
 app = typer.Typer(
@@ -64,6 +65,7 @@ def serve(
     settings = _settings(host=host, port=port)
     cli_admin.refuse_unsafe_bind(settings)
     configure_logging(settings.log_format)
+    os.environ.update(ray_client_env(settings))  # before Ray's first import (route_ray_logs)
     route_ray_logs(verbose=verbose)
     server.serve(create_app(settings), host=settings.host, port=settings.port, log_format=settings.log_format)
 
@@ -77,9 +79,10 @@ def demo(
     """Write a small token dataset, start Apiary, train a tiny GPT on 2 workers, show progress."""
     _private_files()
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
-    route_ray_logs(verbose=verbose)
     port = free_port()
     settings = _settings(port=port)
+    os.environ.update(ray_client_env(settings))  # before Ray's first import (route_ray_logs)
+    route_ray_logs(verbose=verbose)
     cli_admin.refuse_unsafe_bind(settings)
     dataset = settings.datasets_dir / "demo-tokens"
     console.print(f"[bold]1.[/] writing a synthetic token dataset to {dataset}")
@@ -172,19 +175,24 @@ def simulate(
         _usage_error(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     try:
         resources = sim.parse_node(node)
-        with trace.open() as source:
-            jobs = sim.read_trace(source)
+        with trace.open(newline="", encoding="utf-8") as source:
+            jobs = sim.read_trace(source, nodes=nodes, node=resources)
         queues = load(queues_file)
     except (OSError, ValueError) as err:
         _usage_error(one_line(err))
     result = sim.simulate(jobs, nodes=nodes, node=resources, policy=policy, queues=queues)
     if as_json:
-        print(json.dumps(result.to_json()))
+        print(json.dumps(result.to_json(), allow_nan=False))
         return
     table = Table(title=f"{policy}: {result.jobs} jobs on {nodes} x {node}")
     for column in ("", "jobs", "wait p50", "p95", "p99", "mean", "max"):
         table.add_column(column, justify="right" if column else "left")
-    for group, stats in [*result.queues.items(), *(("size " + k, v) for k, v in result.size_classes.items())]:
+    rows = [
+        *((name, value.wait) for name, value in result.queues.items()),
+        *((f"{name}, all queued", value.queued) for name, value in result.queues.items()),
+        *(("size " + k, v) for k, v in result.size_classes.items()),
+    ]
+    for group, stats in rows:
         table.add_row(
             group,
             str(stats.jobs),
@@ -192,7 +200,8 @@ def simulate(
         )
     console.print(table)
     console.print(
-        f"utilization {result.utilization:.3f}; {result.preemptions} preemptions losing "
+        f"utilization {result.utilization:.3f} (first arrival to last submission); "
+        f"{result.preemptions} preemptions losing "
         f"{result.lost_gpu_hours:.1f} GPU-hours ({result.lost_work_s / 3600:.1f} job-hours); "
         f"{result.unfinished} job(s) could never run; makespan {_duration(result.makespan_s)}"
     )

@@ -54,7 +54,12 @@ def get_current_user(
 ) -> User:
     """The request's user: its bearer token's (the API, CLI, SDK), else its cookie's (the web view),
     else the local user while auth is not required; 401 otherwise."""
-    return auth.authenticate(bearer.credentials if bearer is not None else cookie)
+    return authenticate(auth, bearer=bearer.credentials if bearer is not None else None, cookie=cookie)
+
+
+def authenticate(auth: Auth, *, bearer: str | None, cookie: str | None) -> User:
+    """`get_current_user` from the credentials alone (api.gate calls it before a body is read)."""
+    return auth.authenticate(bearer if bearer is not None else cookie)
 
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]

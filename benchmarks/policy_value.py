@@ -91,7 +91,7 @@ def main() -> None:
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, result in results.items():
-        full, research = result.queues["full-scale"], result.queues["research"]
+        full, research = result.queues["full-scale"].wait, result.queues["research"].wait
         cells = [
             name,
             *(hours(value) for value in (full.mean, full.p95, research.mean, research.p95)),
@@ -106,22 +106,22 @@ def main() -> None:
     checks = [
         (
             "full-scale mean wait, fifo / two-queue",
-            fifo.queues["full-scale"].mean / two.queues["full-scale"].mean,
+            fifo.queues["full-scale"].wait.mean / two.queues["full-scale"].wait.mean,
             5.0,
         ),
         (
             "full-scale mean wait, greedy / two-queue",
-            greedy.queues["full-scale"].mean / two.queues["full-scale"].mean,
+            greedy.queues["full-scale"].wait.mean / two.queues["full-scale"].wait.mean,
             1.5,
         ),
         (
             "research p95 wait, fifo / two-queue",
-            fifo.queues["research"].p95 / max(1.0, two.queues["research"].p95),
+            fifo.queues["research"].wait.p95 / max(1.0, two.queues["research"].wait.p95),
             5.0,
         ),
         (
             "research p95 wait, greedy / two-queue",
-            greedy.queues["research"].p95 / max(1.0, two.queues["research"].p95),
+            greedy.queues["research"].wait.p95 / max(1.0, two.queues["research"].wait.p95),
             1.0,
         ),
         ("utilization, two-queue / greedy", two.utilization / greedy.utilization, 0.95),

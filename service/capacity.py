@@ -66,6 +66,12 @@ class Gang:
     last_checkpoint_at: float | None = None
     expected_end_at: float | None = None  # when it will release its resources; None = unknown
     stopping: bool = False  # told to checkpoint and stop
+    stops_at: float | None = None  # a stopping job's known stop time (its next periodic checkpoint)
+    # Where its bundles are (a node index of the snapshot per bundle of `bundles()`); None: unknown,
+    # the policy places it first-fit. The simulator keeps placements, so nothing is re-placed for free.
+    placement: tuple[int, ...] | None = None
+    # A queued job's expected duration from history (`service.scheduling.estimates`); None = unknown.
+    estimated_runtime_s: float | None = None
 
     def bundles(self) -> list[Resources]:
         """What admission must place: `num_workers` workers and the extra."""
@@ -181,6 +187,17 @@ def place(
         first[id(bundle)] = node_index
         if hints is not None:
             hints[shape] = node_index
+    return taken
+
+
+def place_at(
+    free: list[dict[str, float]], bundles: Sequence[Resources], nodes: Sequence[int]
+) -> list[tuple[int, Resources]]:
+    """Take `bundles` off `free` where they are known to be (`nodes`, one index per bundle)."""
+    taken = list(zip(nodes, bundles, strict=True))
+    for index, bundle in taken:
+        for key, amount in bundle.items():
+            free[index][key] = free[index].get(key, 0.0) - amount
     return taken
 
 

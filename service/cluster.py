@@ -488,7 +488,7 @@ class LocalRay:
         temp_dir = local_ray_temp_dir(data_dir)
         log_path = data_dir / "ray.log"
         data_dir.mkdir(parents=True, exist_ok=True)
-        auth_token_path = _ensure_auth_token(data_dir / "ray_auth_token")
+        auth_token_path = _ensure_auth_token(data_dir / LOCAL_RAY_TOKEN_FILE)
         command = [
             ray_bin,
             "start",
@@ -599,6 +599,10 @@ def pid_running(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+# The local Ray's token, in the service's data dir.
+LOCAL_RAY_TOKEN_FILE = "ray_auth_token"
 
 
 def auth_env(token_path: Path) -> dict[str, str]:

@@ -153,12 +153,22 @@ class Comparison:
     spec_diff: dict[str, list[Any]]  # dotted spec key -> each job's value, where they differ
 
 
+REPORT_REFUSED = (
+    "job {job_id}: telemetry is taken only from its current attempt, with that attempt's report token "
+    "(Authorization: Bearer)"
+)
+GIVEN_UP_HASHES_KEPT = 10_000
+
+
 @dataclass(kw_only=True)
 class JobService:
     db: Database
     backend: ClusterBackend
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
+    # (job, attempt) -> the SHA-256 of a given-up attempt's report token (None: it has none), read from
+    # its handoff folder once: a post with a wrong token must not cost a storage read each time.
+    _given_up_hashes: dict[tuple[int, int], str | None] = field(default_factory=dict, repr=False)
 
     @property
     def code(self) -> CodeStore:
@@ -496,22 +506,45 @@ class JobService:
             self.metrics.job_restarted(queue=job.queue)
         return TelemetryReply(stored=stored, stop=stop, superseded=superseded)
 
+    def check_report_token(self, job_id: int, token: str | None) -> None:
+        """Before a telemetry post's body is read (api.gate): `ReportRefused` unless `token` is the
+        report token of the job's current attempt or of one it gave up, so that a post without it costs
+        one lookup whatever its size. `ingest` then checks the body against the token."""
+        if token is None:
+            raise ReportRefused(REPORT_REFUSED.format(job_id=job_id))
+        with self.db.session() as session:
+            job = repository.get_job(session, job_id)
+            attempt, current = job.attempt, job.report_token_hash
+        if not token_matches(token, current) and not any(
+            token_matches(token, self._given_up_hash(job_id, earlier))
+            for earlier in range(attempt - 1, 0, -1)
+        ):
+            raise ReportRefused(REPORT_REFUSED.format(job_id=job_id))
+
+    def _given_up_hash(self, job_id: int, attempt: int) -> str | None:
+        key = (job_id, attempt)
+        if key not in self._given_up_hashes:
+            pointer = LaunchPointer(
+                job_id=job_id,
+                attempt=attempt,
+                handoff_uri=handoff_uri(self.settings.resolved_storage_uri, job_id=job_id, attempt=attempt),
+                s3_endpoint_url=self.settings.s3_endpoint_url,
+            )
+            try:
+                issued: str | None = token_hash(read_token(pointer))
+            except ValueError:
+                issued = None
+            if len(self._given_up_hashes) >= GIVEN_UP_HASHES_KEPT:
+                self._given_up_hashes.clear()
+            self._given_up_hashes[key] = issued
+        return self._given_up_hashes[key]
+
     def _given_up_attempt(self, job: Job, batch: TelemetryBatch, *, token: str | None) -> bool:
         """True for a post of an attempt that was given up which carries that attempt's own report token
-        (read from its handoff folder: rare, only such posts pay it)."""
+        (read from its handoff folder once: rare, only such posts pay it)."""
         if batch.attempt >= job.attempt or token is None:
             return False
-        pointer = LaunchPointer(
-            job_id=job.id,
-            attempt=batch.attempt,
-            handoff_uri=handoff_uri(self.settings.resolved_storage_uri, job_id=job.id, attempt=batch.attempt),
-            s3_endpoint_url=self.settings.s3_endpoint_url,
-        )
-        try:
-            issued = read_token(pointer)
-        except ValueError:
-            return False
-        return token_matches(token, token_hash(issued))
+        return token_matches(token, self._given_up_hash(job.id, batch.attempt))
 
     def _check_report(self, job: Job, batch: TelemetryBatch, *, token: str | None) -> None:
         if batch.attempt < job.attempt:
@@ -521,10 +554,7 @@ class JobService:
                 f"attempt {batch.attempt} of job {job.id} was given up for attempt {job.attempt}: exit"
             )
         if batch.attempt != job.attempt or not token_matches(token, job.report_token_hash):
-            raise ReportRefused(
-                f"job {job.id}: telemetry is taken only from its current attempt, with that attempt's "
-                "report token (Authorization: Bearer)"
-            )
+            raise ReportRefused(REPORT_REFUSED.format(job_id=job.id))
         storage_uri = self.settings.resolved_storage_uri
         if batch.checkpoint is not None and not is_own_checkpoint(
             batch.checkpoint.uri, storage_uri=storage_uri, job_id=job.id

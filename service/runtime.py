@@ -6,7 +6,16 @@ import logging
 import threading
 
 from service.auth import Auth
-from service.cluster import ClusterBackend, CurrentBackend, LocalRay, RayBackend, pid_running
+from service.cluster import (
+    LOCAL_RAY_TOKEN_FILE,
+    ClusterBackend,
+    CurrentBackend,
+    LocalRay,
+    RayBackend,
+    auth_env,
+    pid_running,
+    token_auth_env,
+)
 from service.contract.errors import ClusterUnavailable
 from service.jobs import JobService
 from service.observability import Metrics
@@ -157,3 +166,13 @@ class Runtime:
             self.local_ray = None
         if self.db is not None:
             self.db.dispose()
+
+
+def ray_client_env(settings: Settings) -> dict[str, str]:
+    """What Ray's clients in this process need in the environment for the cluster's token auth. Ray
+    fixes its auth mode when it is first imported: a command that imports Ray before the runtime starts
+    (`apiary serve` routes Ray's loggers first) puts this in the environment before it does."""
+    if settings.ray_address:
+        token = secret_value(settings.ray_auth_token)
+        return token_auth_env(token) if token else {}
+    return auth_env(settings.data_dir / LOCAL_RAY_TOKEN_FILE)

@@ -7,16 +7,12 @@ from typing import Annotated
 from fastapi import APIRouter, Header, status
 
 from api.deps import JobsDep
+from api.gate import bearer_of
 from api.limits import JobId
 from api.schemas import error_responses
 from service.contract.protocol import TelemetryBatch, TelemetryReply
 
 router = APIRouter(prefix="/internal", tags=["internal"])
-
-
-def _bearer(authorization: str | None) -> str | None:
-    scheme, _, token = (authorization or "").partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
 
 
 @router.post(
@@ -33,5 +29,6 @@ def post_telemetry(
 ) -> TelemetryReply:
     """A trainer rank's batch of per-step metrics (and maybe its newest checkpoint), with its attempt's
     report token as `Authorization: Bearer <token>` (401 without it, 403 for an attempt that was given
-    up). Idempotent. The reply says whether the job must checkpoint and stop (it was preempted)."""
-    return jobs.ingest(job_id, batch, token=_bearer(authorization))
+    up). The token is checked before the body is read (api.gate). Idempotent. The reply says whether
+    the job must checkpoint and stop (it was preempted)."""
+    return jobs.ingest(job_id, batch, token=bearer_of(authorization))

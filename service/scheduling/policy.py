@@ -92,6 +92,7 @@ from service.capacity import (
     fits,
     format_resources,
     place,
+    place_at,
     release,
     slots,
     subtract,
@@ -116,6 +117,9 @@ class Preemption:
     job_id: int
     for_job: int
     reason: str
+    # True: the victim stops at its next periodic checkpoint (it loses nothing but the restart);
+    # False: it checkpoints at its next step boundary and stops.
+    at_checkpoint: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +135,8 @@ class Decisions:
     reserve: tuple[Reservation, ...] = ()
     waiting: Mapping[int, Wait] = field(default_factory=dict)
     foreign: Mapping[str, float] = field(default_factory=dict)  # what other Ray users hold (glossary)
+    # Where each admitted gang was placed: a node index of the snapshot per bundle of `Gang.bundles()`.
+    placements: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 Policy = Callable[..., Decisions]
@@ -255,6 +261,7 @@ def decide(
         reserve=tuple(Reservation(job_id=r.gang.job_id, at=r.at) for r in reservations),
         waiting=waiting,
         foreign=state.foreign_total,
+        placements=state.placements,
     )
 
 
@@ -268,6 +275,12 @@ class _Reserved:
     def take(self, gang: Gang) -> None:
         assert self.leftover is not None  # _blocking checked that it fits
         place(self.leftover, gang.bundles(), allow_partial=False)
+
+
+def expected_runtime_s(gang: Gang) -> float | None:
+    """How long a gang is expected to hold its resources once started: history's estimate (never
+    beyond its declared `max_runtime_s`), else that limit, else unknown."""
+    return gang.estimated_runtime_s if gang.estimated_runtime_s is not None else gang.max_runtime_s
 
 
 def _ends_before(gang: Gang, at: float | None, *, now: float) -> bool:
@@ -315,6 +328,7 @@ class _State:
     rules: Rules = RULES
     failed_shapes: set[int] = field(default_factory=set)
     foreign_total: dict[str, float] = field(default_factory=dict)  # held by other Ray users
+    placements: dict[int, tuple[int, ...]] = field(default_factory=dict)  # of the gangs admitted
     # (queue, shape) -> within the queue's share; a queue's entries go when its usage changes.
     within: dict[tuple[str, int], bool] = field(default_factory=dict)
 
@@ -346,10 +360,15 @@ class _State:
         )
         hints: dict[tuple[tuple[str, float], ...], int] = {}
         for gang in active:
-            # Active gangs were admitted when they fitted; place them as Ray would have (best effort).
-            placed = place(state.free, gang.bundles(), allow_partial=True, hints=hints)
+            if gang.placement is not None:
+                placed = place_at(state.free, gang.bundles(), gang.placement)
+            else:
+                # Admitted when it fitted; placed as Ray would have (best effort).
+                placed = place(state.free, gang.bundles(), allow_partial=True, hints=hints)
             end_at = gang.expected_end_at
-            if gang.stopping:
+            if gang.stopping and gang.stops_at is not None:
+                end_at = gang.stops_at
+            elif gang.stopping:
                 end_at = (
                     min(end_at, now + queues.preempt_grace_s)
                     if end_at is not None
@@ -377,7 +396,9 @@ class _State:
 
     def admit(self, gang: Gang, *, now: float) -> None:
         placed = place(self.free, gang.bundles(), allow_partial=False)
-        end_at = now + gang.max_runtime_s if gang.max_runtime_s is not None else None
+        self.placements[gang.job_id] = tuple(index for index, _ in placed)
+        runtime_s = expected_runtime_s(gang)
+        end_at = now + runtime_s if runtime_s is not None else None
         self.active.append(_Active(gang=replace(gang, started_at=now), placed=placed, end_at=end_at))
         add(self.used.setdefault(gang.queue, {}), gang.totals)
         subtract(self.free_total, gang.totals)
@@ -620,8 +641,9 @@ def _estimate_etas(
             continue
         etas[gang.job_id] = clock
         subtract(free, need)
-        if gang.max_runtime_s is not None:
-            heapq.heappush(ends, (clock + gang.max_runtime_s, next(counter), need))
+        runtime_s = expected_runtime_s(gang)
+        if runtime_s is not None:
+            heapq.heappush(ends, (clock + runtime_s, next(counter), need))
     return etas
 
 
@@ -649,23 +671,29 @@ def _one_line(
 ) -> Decisions:
     free = [dict(node.resources) for node in cluster.nodes]
     for gang in active:
-        place(free, gang.bundles(), allow_partial=True)
+        if gang.placement is not None:
+            place_at(free, gang.bundles(), gang.placement)
+        else:
+            place(free, gang.bundles(), allow_partial=True)
     take_foreign(cluster.nodes, free, active)
     free_total = sum_resources(free)
     admitted: list[int] = []
+    placements: dict[int, tuple[int, ...]] = {}
     waiting: dict[int, Wait] = {}
     failed: set[int] = set()
     blocked = False
     for gang in sorted(queued, key=lambda gang: (gang.submitted_at, gang.job_id)):
         fits_now = not blocked and gang.shape not in failed and fits(free_total, gang.totals)
-        if fits_now and place(free, gang.bundles(), allow_partial=False):
+        placed = place(free, gang.bundles(), allow_partial=False) if fits_now else []
+        if placed:
             subtract(free_total, gang.totals)
             admitted.append(gang.job_id)
+            placements[gang.job_id] = tuple(index for index, _ in placed)
             continue
         failed.add(gang.shape)
         blocked = strict
         waiting[gang.job_id] = Wait(position=len(waiting) + 1, reason="does not fit now", eta=None)
-    return Decisions(admit=tuple(admitted), waiting=waiting)
+    return Decisions(admit=tuple(admitted), waiting=waiting, placements=placements)
 
 
 POLICIES: dict[str, Policy] = {"two-queue": decide, "fifo": decide_fifo, "greedy": decide_greedy}

@@ -33,7 +33,7 @@ import heapq
 import io
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TextIO
 
@@ -41,6 +41,7 @@ import numpy as np
 
 from service.capacity import ClusterSnapshot, Gang, NodeCapacity, fits_empty_cluster
 from service.contract.queues import DEFAULT_QUEUES, QueuesConfig
+from service.scheduling.estimates import SIZE_CLASSES, History, pace_error, simulated_remaining_s, size_class
 from service.scheduling.policy import POLICIES, RULES, Rules, decayed_usage, dominant_share
 
 COLUMNS = (
@@ -56,9 +57,7 @@ COLUMNS = (
     "checkpoint_every_s",
     "max_runtime_s",
 )
-END, ARRIVAL, DECIDE = 0, 1, 2
-# Size classes by the GPUs a job holds (CPUs on a cluster without GPUs): upper bounds.
-SIZE_CLASSES = ((1, "1"), (8, "2-8"), (32, "9-32"), (math.inf, "33+"))
+END, STOP, ARRIVAL = 0, 1, 2
 
 
 class TraceError(ValueError):
@@ -95,34 +94,107 @@ class TraceJob:
         )
 
 
-def read_trace(source: TextIO) -> list[TraceJob]:
-    """The jobs of a trace CSV, in submission order; `TraceError` names the first bad row."""
+# Bounds of each numeric column: (kind, low, low inclusive, high). Beyond them a value is absurd.
+YEAR_S = 366 * 86_400.0
+_BOUNDS: dict[str, tuple[type, float, bool, float]] = {
+    "job_id": (int, 0, True, 2**53),
+    "submit_s": (float, 0, True, 100 * YEAR_S),
+    "priority": (int, -100, True, 100),
+    "num_workers": (int, 1, True, 100_000),
+    "cpu_per_worker": (float, 0, True, 1e5),
+    "gpu_per_worker": (float, 0, True, 1e4),
+    "duration_s": (float, 0, False, YEAR_S),
+    "checkpoint_every_s": (float, 0, False, YEAR_S),
+    "max_runtime_s": (float, 0, False, YEAR_S),
+}
+
+
+def _number(text: str, column: str) -> float:
+    """One numeric cell, or ValueError saying what is wrong with it (the caller adds row and column)."""
+    kind, low, inclusive, high = _BOUNDS[column]
+    try:
+        value: float = int(text) if kind is int else float(text)
+    except ValueError:
+        raise ValueError(f"must be {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"must be a finite number, got {text!r}")
+    if value < low or (value == low and not inclusive) or value > high:
+        relation = ">=" if inclusive else ">"
+        raise ValueError(f"must be {relation} {low:g} and <= {high:g}, got {text!r}")
+    return value
+
+
+def _job_from_row(row: dict[str | None, Any], width: int) -> TraceJob:
+    values: dict[str, Any] = {}
+    for column in COLUMNS:
+        text = row.get(column)
+        if text is None:
+            if column == "max_runtime_s" and column not in row:
+                continue  # the optional column is absent from the header
+            given = sum(1 for key, value in row.items() if key is not None and value is not None)
+            raise _CellError(column, f"missing (the row has {given} fields, the header {width})")
+        text = text.strip()
+        try:
+            if column in ("queue", "owner"):
+                if column == "queue" and text not in ("research", "full-scale"):
+                    raise ValueError(f"must be research or full-scale, got {text!r}")
+                values[column] = text
+            elif column == "max_runtime_s" and not text:
+                values[column] = None
+            else:
+                values[column] = _number(text, column)
+        except ValueError as err:
+            raise _CellError(column, str(err)) from None
+    if values["cpu_per_worker"] == 0 and values["gpu_per_worker"] == 0:
+        raise _CellError("gpu_per_worker", "with cpu_per_worker 0 too the job asks for nothing")
+    return TraceJob(**values)
+
+
+class _CellError(ValueError):
+    def __init__(self, column: str, message: str) -> None:
+        super().__init__(message)
+        self.column = column
+
+
+def read_trace(
+    source: TextIO, *, nodes: int | None = None, node: Mapping[str, float] | None = None
+) -> list[TraceJob]:
+    """The jobs of a trace CSV, in submission order; `TraceError` names the first bad row and column
+    (the header is row 1). A leading byte-order mark is skipped. Given `nodes` x `node`, a job whose
+    gang fits no node layout of that cluster is refused too."""
     reader = csv.DictReader(source)
-    missing = [column for column in COLUMNS[:-1] if column not in (reader.fieldnames or [])]
+    fieldnames = list(reader.fieldnames or [])
+    if fieldnames and fieldnames[0].startswith("\ufeff"):
+        fieldnames[0] = fieldnames[0].removeprefix("\ufeff")
+        reader.fieldnames = fieldnames
+    missing = [column for column in COLUMNS[:-1] if column not in fieldnames]
     if missing:
         raise TraceError(f"the trace lacks the column(s) {', '.join(missing)}")
-    jobs = []
-    for line, row in enumerate(reader, start=2):
-        try:
-            job = TraceJob(
-                job_id=int(row["job_id"]),
-                submit_s=float(row["submit_s"]),
-                queue=row["queue"],
-                owner=row["owner"],
-                priority=int(row["priority"]),
-                num_workers=int(row["num_workers"]),
-                cpu_per_worker=float(row["cpu_per_worker"]),
-                gpu_per_worker=float(row["gpu_per_worker"]),
-                duration_s=float(row["duration_s"]),
-                checkpoint_every_s=float(row["checkpoint_every_s"]),
-                max_runtime_s=float(row["max_runtime_s"]) if row.get("max_runtime_s") else None,
+    cluster = _cluster(nodes, node) if nodes is not None and node is not None else None
+    jobs: list[TraceJob] = []
+    first_row: dict[int, int] = {}
+    for row_number, row in enumerate(reader, start=2):
+        if row.get(None):  # DictReader files extra fields under None
+            raise TraceError(
+                f"trace row {row_number}: {len(fieldnames) + len(row[None])} fields, "
+                f"more than the header's {len(fieldnames)}"
             )
-        except (TypeError, ValueError) as err:
-            raise TraceError(f"trace line {line}: {err}") from None
-        if job.queue not in ("research", "full-scale"):
-            raise TraceError(f"trace line {line}: queue must be research or full-scale, got {job.queue!r}")
-        if job.num_workers < 1 or job.duration_s <= 0 or job.checkpoint_every_s <= 0:
-            raise TraceError(f"trace line {line}: num_workers, duration_s and checkpoint_every_s must be > 0")
+        try:
+            job = _job_from_row(row, len(fieldnames))
+        except _CellError as err:
+            raise TraceError(f"trace row {row_number}, column {err.column}: {err}") from None
+        if job.job_id in first_row:
+            raise TraceError(
+                f"trace row {row_number}, column job_id: job {job.job_id} appears again "
+                f"(first on row {first_row[job.job_id]})"
+            )
+        first_row[job.job_id] = row_number
+        if cluster is not None and not fits_empty_cluster(cluster, job.gang()):
+            raise TraceError(
+                f"trace row {row_number}, columns num_workers, gpu_per_worker, cpu_per_worker: a gang of "
+                f"{job.num_workers} x (GPU {job.gpu_per_worker:g}, CPU {job.cpu_per_worker:g}) fits no node "
+                f"layout of {nodes} x {_node_text(node or {})}"
+            )
         jobs.append(job)
     return sorted(jobs, key=lambda job: (job.submit_s, job.job_id))
 
@@ -137,20 +209,52 @@ def write_trace(jobs: Iterable[TraceJob], out: TextIO) -> None:
 
 
 def parse_node(text: str) -> dict[str, float]:
-    """`"CPU=32,GPU=8"` -> {"CPU": 32.0, "GPU": 8.0}."""
+    """`"CPU=32,GPU=8"` -> {"CPU": 32.0, "GPU": 8.0}; every amount finite and >= 0, one of them > 0."""
     try:
         pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
         resources = {key.strip(): float(value) for key, value in pairs}
     except ValueError:
         raise TraceError(f"--node {text!r} must look like CPU=32,GPU=8") from None
-    if not resources or any(amount < 0 for amount in resources.values()):
-        raise TraceError(f"--node {text!r} must look like CPU=32,GPU=8")
+    if not resources or any(not math.isfinite(amount) or amount < 0 for amount in resources.values()):
+        raise TraceError(f"--node {text!r} must look like CPU=32,GPU=8 (finite amounts, none negative)")
+    if not any(resources.values()):
+        raise TraceError(f"--node {text!r} has nothing to offer: some amount must be > 0")
     return resources
+
+
+def _node_text(node: Mapping[str, float]) -> str:
+    return ",".join(f"{key}={amount:g}" for key, amount in node.items())
+
+
+def _cluster(nodes: int, node: Mapping[str, float]) -> ClusterSnapshot:
+    return ClusterSnapshot(
+        nodes=tuple(NodeCapacity(node_id=f"n{i}", resources=dict(node)) for i in range(nodes))
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # The simulation
 # ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimCosts:
+    """What stopping and resuming a job costs, as on the live path."""
+
+    # Told to stop at once, a job checkpoints at its next step boundary: its checkpoint's size over
+    # the storage bandwidth (the planner's checkpoint estimate), GPUs held and no progress.
+    checkpoint_s: float = 60.0
+    # A resumed job starts its workers and loads its checkpoint before it makes progress again.
+    restart_s: float = 120.0
+    # The seed of the per-job pace errors (`service.scheduling.estimates.pace_error`).
+    seed: int = 0
+
+
+COSTS = SimCosts()
+
+
+class InvariantError(AssertionError):
+    """The simulation broke one of its invariants (a bug, never bad input)."""
 
 
 @dataclass
@@ -159,21 +263,34 @@ class _Run:
 
     job: TraceJob
     gang: Gang
-    done_s: float = 0.0  # work completed and kept (up to the last checkpoint when preempted)
-    started_at: float | None = None  # of the current run; None while waiting
+    work_s: float  # what it runs: its duration, cut at its max_runtime_s (the live service stops it)
+    error: float  # the factor by which its measured pace errs
+    done_s: float = 0.0  # work kept (up to its last checkpoint when it stopped)
+    started_at: float | None = None  # admission of the current run; None while waiting
+    resume_s: float = 0.0  # the restart the current run pays before progress (0 on a first start)
+    frozen_at: float | None = None  # told to stop at once: no progress after this
+    stop_at: float | None = None  # a stopping run's stop time
+    keep_s: float = 0.0  # the work a stopping run keeps
+    expected_s: float | None = None  # what the service expected of the job when the current run began
+    placement: tuple[int, ...] = ()
     first_start: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
-    lost_work_s: float = 0.0
-    version: int = 0  # bumped on each start, so stale end events are recognised
+    held_s: float = 0.0  # seconds holding its gang, every run
+    queued_s: float = 0.0  # every second spent waiting, before the first start and after preemptions
+    queued_since: float | None = None
+    version: int = 0  # bumped on each start, so stale events are recognised
 
     def progress(self, now: float) -> float:
-        return self.done_s + (now - self.started_at if self.started_at is not None else 0.0)
+        if self.started_at is None:
+            return self.done_s
+        until = now if self.frozen_at is None else min(now, self.frozen_at)
+        return self.done_s + min(self.work_s - self.done_s, max(0.0, until - self.started_at - self.resume_s))
 
-    def last_checkpoint(self, now: float) -> float:
-        """Work saved at the last periodic checkpoint of the current run."""
-        every = self.job.checkpoint_every_s
-        return math.floor(self.progress(now) / every + 1e-9) * every
+    @property
+    def lost_s(self) -> float:
+        """Seconds it held its gang without keeping the progress: restarts, checkpoints at a stop."""
+        return self.held_s - self.done_s if self.started_at is None else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,18 +304,29 @@ class WaitStats:
 
 
 @dataclass(frozen=True, kw_only=True)
+class QueueStats:
+    wait: WaitStats  # first start - submission
+    queued: WaitStats  # all time queued, preemptions included
+    preemptions_per_job: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class SimResult:
     policy: str
     jobs: int
     unfinished: int
     utilization: float
     preemptions: int
-    lost_work_s: float  # work thrown away by preemptions, in job-seconds
+    lost_work_s: float  # held without progress kept (restarts, stop checkpoints), in job-seconds
+    lost_gpu_s: float  # the same in GPU-seconds
     lost_gpu_hours: float
+    busy_gpu_s: float  # GPU-seconds held by jobs, start to end
     makespan_s: float
-    queues: dict[str, WaitStats]
+    queues: dict[str, QueueStats]
     size_classes: dict[str, WaitStats]
     decisions: int = 0
+    refused: int = 0  # jobs the queues' limits refuse at submission (too many workers, too long)
+    cut_at_limit: int = 0  # jobs stopped at their max_runtime_s (declared, else the queue's default)
     rules: dict[str, bool] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -209,16 +337,41 @@ class SimResult:
             "policy": self.policy,
             "jobs": self.jobs,
             "unfinished": self.unfinished,
+            "refused": self.refused,
+            "cut_at_limit": self.cut_at_limit,
             "utilization": round(self.utilization, 4),
             "preemptions": self.preemptions,
             "lost_work_s": round(self.lost_work_s, 1),
+            "lost_gpu_s": round(self.lost_gpu_s, 1),
             "lost_gpu_hours": round(self.lost_gpu_hours, 2),
+            "busy_gpu_s": round(self.busy_gpu_s, 1),
             "makespan_s": round(self.makespan_s, 1),
             "decisions": self.decisions,
             "rules": self.rules,
-            "queues": {name: stats(value) for name, value in self.queues.items()},
+            "queues": {
+                name: {
+                    **stats(value.wait),
+                    "queued_s": {k: v for k, v in asdict(value.queued).items() if k != "jobs"},
+                    "preemptions_per_job": round(value.preemptions_per_job, 4),
+                }
+                for name, value in self.queues.items()
+            },
             "size_classes": {name: stats(value) for name, value in self.size_classes.items()},
         }
+
+
+def limits(job: TraceJob, queues: QueuesConfig) -> tuple[str | None, float | None]:
+    """(why the live service refuses the job at submission or None, the max_runtime_s it runs under)."""
+    config = queues.of(job.queue)
+    if config.max_workers_per_job is not None and job.num_workers > config.max_workers_per_job:
+        return f"more than {config.max_workers_per_job} workers", None
+    if (
+        config.max_runtime_s is not None
+        and job.max_runtime_s is not None
+        and job.max_runtime_s > config.max_runtime_s
+    ):
+        return f"max_runtime_s over {config.max_runtime_s:g}", None
+    return None, job.max_runtime_s if job.max_runtime_s is not None else config.default_max_runtime_s
 
 
 def simulate(
@@ -229,35 +382,84 @@ def simulate(
     policy: str = "two-queue",
     queues: QueuesConfig = DEFAULT_QUEUES,
     rules: Rules = RULES,
+    costs: SimCosts = COSTS,
+    check: bool = False,
 ) -> SimResult:
-    """Run `jobs` on `nodes` x `node` through `policy` until every job that can ever run has finished."""
+    """Run `jobs` on `nodes` x `node` through `policy` until every job that can ever run has finished.
+
+    The policy knows what the live service knows: history's estimate of a queued job's duration, a
+    running job's remaining time from its (erring) pace, and where gangs are placed. With `check`,
+    the invariants are verified at every event (`InvariantError`)."""
     decide = POLICIES[policy]
-    cluster = ClusterSnapshot(
-        nodes=tuple(NodeCapacity(node_id=f"n{i}", resources=node) for i in range(nodes))
-    )
+    check_jobs(jobs)
+    cluster = _cluster(nodes, node)
     totals = {key: amount * nodes for key, amount in node.items()}
-    runs = {job.job_id: _Run(job=job, gang=job.gang()) for job in jobs}
+    busy_key = "GPU" if totals.get("GPU") else "CPU"
+    runs: dict[int, _Run] = {}
+    refused = 0
+    for job in jobs:
+        why, limit = limits(job, queues)
+        if why is not None:
+            refused += 1
+            continue
+        gang = replace(job.gang(), max_runtime_s=limit)
+        work_s = min(job.duration_s, limit) if limit is not None else job.duration_s
+        runs[job.job_id] = _Run(
+            job=job, gang=gang, work_s=work_s, error=pace_error(job.job_id, seed=costs.seed)
+        )
+    cut_at_limit = sum(1 for run in runs.values() if run.work_s < run.job.duration_s)
     # A job that could never fit the empty cluster never runs: counted as unfinished.
     runnable = {job_id for job_id, run in runs.items() if fits_empty_cluster(cluster, run.gang)}
-    # (time, kind, job, version); kinds: END, ARRIVAL, DECIDE (decide again: preempted jobs stopped).
+    # (time, kind, job, version); a STOP at the time of a preemption makes the policy decide again.
     events: list[tuple[float, int, int, int]] = []
-    for job in jobs:
-        if job.job_id in runnable:
-            heapq.heappush(events, (job.submit_s, ARRIVAL, job.job_id, 0))
+    for job_id in runnable:
+        heapq.heappush(events, (runs[job_id].job.submit_s, ARRIVAL, job_id, 0))
     waiting: dict[int, _Run] = {}
     running: dict[int, _Run] = {}
     usage: dict[str, float] = {}
-    clock = jobs[0].submit_s if jobs else 0.0
-    busy_s = 0.0
-    busy_key = "GPU" if totals.get("GPU") else "CPU"
-    preemptions = 0
-    decisions = 0
+    history = History()
+    # job -> ((history's version, work done), history's estimate, the gang the policy sees)
+    estimates: dict[int, tuple[tuple[int, float], float | None, Gang]] = {}
+    history_version = 0
+    submits = [job.submit_s for job in jobs]
+    clock = min(submits, default=0.0)
+    # Utilization counts busy time inside [first arrival, last submission]: the drain tail is left out.
+    window = (min(submits, default=0.0), max(submits, default=0.0))
+    busy_s = busy_window_s = 0.0
+    preemptions = decisions = 0
+
+    def queued_gang(run: _Run) -> Gang:
+        """The job as the policy sees it queued: history's estimate of what is left of it."""
+        key = (history_version, run.done_s)
+        cached = estimates.get(run.job.job_id)
+        if cached is not None and cached[0] == key:
+            return cached[2]
+        expected = history.estimate(
+            owner=run.job.owner,
+            name=None,
+            size=run.gang.totals.get(busy_key, 0.0),
+            declared_s=run.gang.max_runtime_s,
+        )
+        left = None if expected is None else max(0.0, expected - run.done_s)
+        if left is not None and run.done_s > 0:
+            left += costs.restart_s
+        gang = replace(run.gang, estimated_runtime_s=left)
+        estimates[run.job.job_id] = (key, expected, gang)
+        return gang
+
+    def stop(run: _Run, now: float) -> None:
+        assert run.started_at is not None
+        run.held_s += now - run.started_at
+        run.started_at = run.frozen_at = run.stop_at = None
+
     while events:
         now = events[0][0]
         # Account for the time since the last event: busy resources and owners' usage.
         elapsed = now - clock
         if elapsed > 0:
-            busy_s += sum(run.gang.totals.get(busy_key, 0.0) for run in running.values()) * elapsed
+            held = sum(run.gang.totals.get(busy_key, 0.0) for run in running.values())
+            busy_s += held * elapsed
+            busy_window_s += held * max(0.0, min(now, window[1]) - max(clock, window[0]))
             rates: dict[str, float] = {}
             for run in running.values():
                 rates[run.job.owner] = rates.get(run.job.owner, 0.0) + dominant_share(run.gang, totals)
@@ -271,17 +473,38 @@ def simulate(
         clock = now
         while events and events[0][0] <= now:
             _, kind, job_id, version = heapq.heappop(events)
+            run = runs[job_id]
             if kind == ARRIVAL:
-                waiting[job_id] = runs[job_id]
-            elif kind == END and job_id in running and version == runs[job_id].version:
-                run = running.pop(job_id)
-                run.done_s, run.started_at, run.finished_at = run.job.duration_s, None, now
+                waiting[job_id] = run
+                run.queued_since = now
+            elif job_id in running and version == run.version:
+                if kind == END and run.progress(now) >= run.work_s - 1e-6:
+                    running.pop(job_id)
+                    stop(run, now)
+                    run.done_s, run.finished_at = run.work_s, now
+                    history.record(
+                        owner=run.job.owner,
+                        name=None,
+                        size=run.gang.totals.get(busy_key, 0.0),
+                        duration_s=run.work_s,
+                    )
+                    history_version += 1
+                elif kind == STOP and run.stop_at is not None and run.stop_at <= now:
+                    running.pop(job_id)
+                    run.done_s = run.keep_s
+                    stop(run, now)
+                    preemptions += 1
+                    run.preemptions += 1
+                    run.queued_since = now
+                    waiting[job_id] = run
+        if check:
+            _check_invariants(running, cluster)
         if not waiting:
             continue
         active = [_active_gang(run, now=now) for run in running.values()]
         result = decide(
             cluster=cluster,
-            queued=[run.gang for run in waiting.values()],
+            queued=[queued_gang(run) for run in waiting.values()],
             active=active,
             now=now,
             queues=queues,
@@ -291,44 +514,101 @@ def simulate(
         )
         decisions += 1
         for victim in result.preempt:
-            run = running.pop(victim.job_id)
-            saved = run.last_checkpoint(now)
-            run.lost_work_s += run.progress(now) - saved
-            run.done_s, run.started_at = saved, None
-            run.preemptions += 1
-            preemptions += 1
-            waiting[victim.job_id] = run
+            run = running[victim.job_id]
+            if run.stop_at is not None:
+                continue  # already stopping
+            assert run.started_at is not None
+            progress = run.progress(now)
+            if now < run.started_at + run.resume_s:
+                run.keep_s, run.stop_at = run.done_s, now  # still restarting: nothing to save
+            elif victim.at_checkpoint:
+                every = run.job.checkpoint_every_s
+                run.keep_s = min(run.work_s, math.ceil(progress / every - 1e-9) * every)
+                run.stop_at = now + (run.keep_s - progress)
+            else:
+                run.keep_s, run.frozen_at, run.stop_at = progress, now, now + costs.checkpoint_s
+            if run.keep_s >= run.work_s:
+                run.stop_at = now + (run.work_s - progress)  # it ends before it would stop
+            else:
+                heapq.heappush(events, (run.stop_at, STOP, run.job.job_id, run.version))
         for job_id in result.admit:
             run = waiting.pop(job_id)
+            run.resume_s = costs.restart_s if run.done_s > 0 else 0.0
             run.started_at = now
+            queued_gang(run)
+            run.expected_s = estimates[job_id][1]
             run.first_start = now if run.first_start is None else run.first_start
+            run.queued_s += now - (run.queued_since if run.queued_since is not None else now)
+            run.queued_since = None
+            run.placement = result.placements[job_id]
             run.version += 1
             running[job_id] = run
-            heapq.heappush(events, (now + run.job.duration_s - run.done_s, END, job_id, run.version))
-        if result.preempt:
-            # Preempted jobs stop at once here: decide again at the same time, with their room free.
-            heapq.heappush(events, (now, DECIDE, 0, 0))
-    return _summarize(
+            heapq.heappush(events, (now + run.resume_s + run.work_s - run.done_s, END, job_id, run.version))
+    summary = _summarize(
         runs,
         policy=policy,
         rules=rules,
         totals=totals,
         busy_s=busy_s,
+        busy_window_s=busy_window_s,
+        window=window,
         busy_key=busy_key,
         preemptions=preemptions,
         decisions=decisions,
+        jobs=len(jobs),
+        refused=refused,
+        cut_at_limit=cut_at_limit,
     )
+    if check:
+        useful = sum(
+            run.work_s * run.gang.totals.get(busy_key, 0.0) for run in runs.values() if run.finished_at
+        )
+        lost = sum(run.lost_s * run.gang.totals.get(busy_key, 0.0) for run in runs.values())
+        if not math.isclose(busy_s, useful + lost, rel_tol=1e-9, abs_tol=1e-3):
+            raise InvariantError(f"busy {busy_s} != useful {useful} + lost {lost}")
+    return summary
+
+
+def _check_invariants(running: Mapping[int, _Run], cluster: ClusterSnapshot) -> None:
+    """No node over capacity; every running gang whole (a placement for each of its bundles)."""
+    free = [dict(node.resources) for node in cluster.nodes]
+    for run in running.values():
+        bundles = run.gang.bundles()
+        if len(run.placement) != len(bundles):
+            raise InvariantError(f"job {run.job.job_id} runs {len(run.placement)} of {len(bundles)} bundles")
+        for index, bundle in zip(run.placement, bundles, strict=True):
+            for key, amount in bundle.items():
+                free[index][key] = free[index].get(key, 0.0) - amount
+    for index, left in enumerate(free):
+        if any(amount < -1e-6 for amount in left.values()):
+            raise InvariantError(f"node {index} is over capacity: {left}")
 
 
 def _active_gang(run: _Run, *, now: float) -> Gang:
+    """The running job as the service sees it: no true end, but its pace's estimate."""
     started = run.started_at if run.started_at is not None else now
-    # The last periodic checkpoint of this run, as a time (None before its first one).
-    saved = run.last_checkpoint(now)
+    progress = run.progress(now)
+    if run.stop_at is not None:
+        return replace(
+            run.gang, started_at=started, stopping=True, stops_at=run.stop_at, placement=run.placement
+        )
+    ran_s = now - started - run.resume_s
+    remaining = simulated_remaining_s(
+        true_remaining_s=run.work_s - progress,
+        error=run.error,
+        ran_s=max(0.0, ran_s),
+        expected_s=run.expected_s,
+        done_s=progress,
+    )
+    every = run.job.checkpoint_every_s
+    saved = math.floor(progress / every + 1e-9) * every
     return replace(
         run.gang,
         started_at=started,
-        last_checkpoint_at=started + saved - run.done_s if saved >= run.done_s else None,
-        expected_end_at=started + run.job.duration_s - run.done_s,
+        # The last periodic checkpoint of this run, as a time (None before its first one).
+        last_checkpoint_at=started + run.resume_s + saved - run.done_s if saved > run.done_s else None,
+        expected_end_at=None if remaining is None else now + max(0.0, -ran_s) + remaining,
+        placement=run.placement,
     )
 
 
@@ -339,37 +619,80 @@ def _summarize(
     rules: Rules,
     totals: dict[str, float],
     busy_s: float,
+    busy_window_s: float,
+    window: tuple[float, float],
     busy_key: str,
     preemptions: int,
     decisions: int,
+    jobs: int,
+    refused: int,
+    cut_at_limit: int,
 ) -> SimResult:
     finished = [run for run in runs.values() if run.finished_at is not None]
-    start = min((run.job.submit_s for run in runs.values()), default=0.0)
+    start = window[0]
     end = max((run.finished_at or 0.0 for run in finished), default=start)
     makespan = max(end - start, 1e-9)
-    by_queue: dict[str, list[float]] = {}
+    capacity = totals.get(busy_key, 0.0)
+    span = window[1] - window[0]
+    if not capacity:
+        utilization = 0.0
+    elif span > 0:
+        utilization = busy_window_s / (capacity * span)
+    else:  # every job was submitted at once: the window is empty, so count to the last end
+        utilization = busy_s / (capacity * makespan)
+    by_queue: dict[str, list[_Run]] = {queue: [] for queue in ("full-scale", "research")}
     by_size: dict[str, list[float]] = {}
     for run in finished:
-        wait = (run.first_start or run.job.submit_s) - run.job.submit_s
-        by_queue.setdefault(run.job.queue, []).append(wait)
-        size = run.gang.totals.get(busy_key, 0.0)
-        label = next(name for bound, name in SIZE_CLASSES if size <= bound)
-        by_size.setdefault(label, []).append(wait)
-    lost_gpu_s = sum(run.lost_work_s * run.gang.totals.get("GPU", 0.0) for run in runs.values())
+        by_queue.setdefault(run.job.queue, []).append(run)
+        by_size.setdefault(size_class(run.gang.totals.get(busy_key, 0.0)), []).append(_wait(run))
+    lost_s = sum(run.lost_s for run in runs.values())
+    lost_gpu_s = sum(run.lost_s * run.gang.totals.get("GPU", 0.0) for run in runs.values())
     return SimResult(
         policy=policy,
-        jobs=len(runs),
-        unfinished=len(runs) - len(finished),
-        utilization=busy_s / (totals.get(busy_key, 0.0) * makespan) if totals.get(busy_key) else 0.0,
+        jobs=jobs,
+        unfinished=jobs - refused - len(finished),
+        utilization=utilization,
         preemptions=preemptions,
-        lost_work_s=sum(run.lost_work_s for run in runs.values()),
+        lost_work_s=lost_s,
+        lost_gpu_s=lost_gpu_s,
         lost_gpu_hours=lost_gpu_s / 3600,
+        busy_gpu_s=busy_s if busy_key == "GPU" else 0.0,
         makespan_s=makespan,
-        queues={name: _stats(waits) for name, waits in sorted(by_queue.items())},
+        queues={
+            name: QueueStats(
+                wait=_stats([_wait(run) for run in members]),
+                queued=_stats([run.queued_s for run in members]),
+                preemptions_per_job=sum(run.preemptions for run in members) / max(1, len(members)),
+            )
+            for name, members in sorted(by_queue.items())
+        },
         size_classes={name: _stats(by_size[name]) for _, name in SIZE_CLASSES if name in by_size},
         decisions=decisions,
+        refused=refused,
+        cut_at_limit=cut_at_limit,
         rules=asdict(rules),
     )
+
+
+def _wait(run: _Run) -> float:
+    return (run.first_start if run.first_start is not None else run.job.submit_s) - run.job.submit_s
+
+
+def check_jobs(jobs: Sequence[TraceJob]) -> None:
+    """ValueError naming the job and field of the first value `read_trace` would refuse."""
+    seen: set[int] = set()
+    for job in jobs:
+        for column in _BOUNDS:
+            value = getattr(job, column)
+            if value is None and column == "max_runtime_s":
+                continue
+            try:
+                _number(str(value), column)
+            except ValueError as err:
+                raise ValueError(f"job {job.job_id}, {column}: {err}") from None
+        if job.job_id in seen:
+            raise ValueError(f"job {job.job_id}, job_id: appears twice")
+        seen.add(job.job_id)
 
 
 def _stats(waits: list[float]) -> WaitStats:

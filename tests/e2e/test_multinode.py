@@ -12,10 +12,15 @@ the job is stopped and requeued ("capacity lost"), waits while capacity says it 
 resumes from its S3 checkpoint when a new node joins. Its final parameters equal an undisturbed run
 of the same spec on the same cluster. A missing S3 dataset is refused at submission, and the S3
 secret appears in no log line of the service. Prints the recovery figures for benchmarks/RESULTS.md.
+
+A job that brings its own code (`submit(spec, code=DIR)`): its trainer is a module of that folder,
+which neither the service's environment nor the nodes have; both ranks, one on each node, import it
+from the job's working_dir and read a file shipped beside it.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,6 +33,8 @@ import torch
 
 from api.client import ApiaryClient, ApiaryClientError
 from api.demo import classification_table, write_shards
+from service.contract.code import pack
+from service.contract.storage import resolve_uri
 from tests.conftest import S3
 from tests.e2e.conftest import Served, start_serve, stop_serve
 from tests.support.ray_cluster import RayCluster, ray_cluster
@@ -174,3 +181,82 @@ def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undis
     ).state_dict()
     assert final.keys() == expected.keys()
     assert all(torch.equal(final[name], tensor) for name, tensor in expected.items())
+
+
+LABCODE = """
+import json
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pyarrow.fs
+import ray
+import ray.train
+
+
+def train(config=None):
+    rank = ray.train.get_context().get_world_rank()
+    # Read from the job's working folder, which is its code: where to say what this rank saw.
+    where = json.loads(Path("labcode/where.json").read_text())
+    endpoint = urlparse(where["endpoint"])
+    s3 = pyarrow.fs.S3FileSystem(endpoint_override=endpoint.netloc, scheme=endpoint.scheme)
+    seen = {"node": ray.get_runtime_context().get_node_id(), "module": __file__}
+    with s3.open_output_stream(f"{where['out'].removeprefix('s3://')}/rank-{rank}.json") as out:
+        out.write(json.dumps(seen).encode())
+    ray.train.report({"loss": 0.0})
+"""
+
+
+def test_a_job_brings_its_own_code_to_nodes_that_have_neither_apiary_nor_it(
+    cluster: RayCluster, served: Served, s3: S3, tmp_path: Path
+) -> None:
+    code = tmp_path / "code"
+    (code / "labcode").mkdir(parents=True)
+    (code / "labcode" / "__init__.py").write_text("")
+    (code / "labcode" / "train.py").write_text(LABCODE)
+    out = f"{s3.datasets_uri}/own-code-out"
+    (code / "labcode" / "where.json").write_text(json.dumps({"endpoint": s3.endpoint_url, "out": out}))
+    (code / "data").mkdir()
+    (code / "data" / "large.bin").write_bytes(b"\0" * 4096)
+    (code / ".apiaryignore").write_text("data/\n")
+    dataset = f"{s3.datasets_uri}/code-clf"
+    write_shards(
+        classification_table(num_rows=64, num_features=8, num_classes=3),
+        dataset,
+        num_shards=2,
+        s3_endpoint_url=s3.endpoint_url,
+    )
+    nodes = cluster.alive_nodes()
+    job_spec = {
+        **spec(dataset, "own-code"),
+        "trainer": "labcode.train:train",
+        "max_steps": 1,
+        "checkpoint": {},
+        "max_failures": 0,
+        "config": {},
+    }
+    with ApiaryClient(served.url) as client:
+        job = client.submit(job_spec, code=code)
+        digest = pack(code).digest
+        assert job.spec.code == digest
+        job = client.wait(job.id, timeout_s=400)
+        assert job.state == "succeeded", (job, client.logs(job.id)[-3000:])
+        # Each rank, one on each node, imported the module from the job's code and read a file of it.
+        path, filesystem = resolve_uri(out, s3_endpoint_url=s3.endpoint_url)
+        seen = {}
+        for rank in (0, 1):
+            with filesystem.open_input_stream(f"{path}/rank-{rank}.json") as stream:
+                seen[rank] = json.loads(stream.read())
+        assert {entry["node"] for entry in seen.values()} == {nodes["head"], nodes["node2"]}, seen
+        assert all("working_dir_files" in entry["module"] for entry in seen.values()), seen
+        ray_job = httpx.get(
+            f"{cluster.dashboard_url}/api/jobs/{job.ray_submission_id}",
+            headers={"Authorization": f"Bearer {cluster.token}"},
+            timeout=10,
+        ).json()
+        assert ray_job["runtime_env"]["working_dir"].startswith("gcs://_ray_pkg_"), ray_job["runtime_env"]
+        assert client.code(job.id) == pack(code).data
+        assert any(event.reason.startswith(f"code {digest}") for event in client.events(job.id))
+    no_code = subprocess.run(
+        [str(cluster.python), "-c", "import labcode"], cwd=tmp_path, capture_output=True, check=False
+    )
+    assert no_code.returncode != 0, "the nodes' interpreter must not have the job's code"

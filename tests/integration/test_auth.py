@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,53 @@ def test_revoking_the_last_admin_token_on_the_database_is_refused(
     assert CliRunner().invoke(cli, ["token", "create", "root", "--admin"], env=env).exit_code == 0
     refused = CliRunner().invoke(cli, ["token", "revoke", "1"], env=env)
     assert refused.exit_code == 2 and "last active admin token" in refused.output, refused.output
+
+
+def status_before_the_body(
+    service: Service, method: str, path: str, *, length: int, headers: dict[str, str] | None = None
+) -> int | None:
+    """Send a request's head announcing a `length`-byte body, and no body: the status the server answers
+    without it, or None when it waits for the body (it would read it)."""
+    url = httpx.URL(str(service.http.base_url))
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {url.host}:{url.port}", "Content-Type: application/json"]
+    lines += [
+        f"{name}: {value}" for name, value in {**(headers or {}), "Content-Length": str(length)}.items()
+    ]
+    with socket.create_connection((url.host, url.port), timeout=3) as connection:
+        connection.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        try:
+            head = connection.recv(4096)
+        except TimeoutError:
+            return None
+    return int(head.split(b" ", 2)[1])
+
+
+def test_a_request_without_a_valid_token_is_refused_before_its_body_is_read(
+    service: Service, people: People, spec: dict[str, Any]
+) -> None:
+    job = submit(people.ada, spec)
+    service.tick()  # admitted: its attempt has a report token
+    telemetry = f"/internal/jobs/{job['id']}/telemetry"
+    big = 8 * 1024 * 1024 - 1
+    bearer = {"Authorization": f"Bearer {people.tokens['ada']}"}
+    refused = {
+        ("POST", telemetry, "no token"): {},
+        ("POST", telemetry, "a user's token"): bearer,
+        ("POST", telemetry, "a wrong token"): {"Authorization": "Bearer apiary_wrong"},
+        ("POST", "/jobs", "no token"): {},
+        ("POST", "/jobs", "a wrong token"): {"Authorization": "Bearer apiary_wrong"},
+        ("POST", "/jobs", "a wrong cookie"): {"Cookie": "apiary_session=wrong"},
+        ("PATCH", f"/jobs/{job['id']}", "no token"): {},
+        ("POST", "/admin/tokens", "no token"): {},
+    }
+    for (method, path, why), headers in refused.items():
+        length = big if path.startswith("/internal/") else 1000_000
+        status = status_before_the_body(service, method, path, length=length, headers=headers)
+        assert status == 401, (method, path, why, status)
+    # A valid token: the body is awaited (and then read, parsed and checked as always).
+    assert status_before_the_body(service, "POST", "/jobs", length=1000, headers=bearer) is None
+    own = service.backend.report_headers(job["id"])
+    assert status_before_the_body(service, "POST", telemetry, length=1000, headers=own) is None
 
 
 def test_the_web_view_logs_in_with_a_token_in_an_httponly_cookie(

@@ -44,12 +44,18 @@ def test_oversized_bodies_are_413_before_anything_reads_them(service: Service, s
     response = service.http.post("/jobs", content=chunks(), headers={"Content-Type": "application/json"})
     assert response.status_code == 413
     assert service.count() == 0
-    # A trainer's telemetry may be larger (up to 8 MiB): this one is read, and refused for its content.
+    # A trainer's telemetry may be larger (up to 8 MiB): this one, with its report token, is read, and
+    # refused for its content; without the token it is refused before it is read (api.gate).
+    job = service.submit(spec)
+    service.tick()
     big = b'{"attempt": 1, "pad": "' + b"x" * (2 * MAX_BODY_BYTES) + b'"}'
-    response = service.http.post(
-        "/internal/jobs/1/telemetry", content=big, headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json", **service.backend.report_headers(job["id"])}
+    response = service.http.post(f"/internal/jobs/{job['id']}/telemetry", content=big, headers=headers)
     assert response.status_code == 422
+    response = service.http.post(
+        f"/internal/jobs/{job['id']}/telemetry", content=big, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 401
 
 
 def test_a_spec_out_of_bounds_is_refused_naming_the_field(
@@ -103,13 +109,15 @@ def test_reports_are_bounded_and_64_bit_steps_are_stored(service: Service, spec:
     job = service.submit(spec)
     run_to_running(service, [job["id"]])
     url = f"/internal/jobs/{job['id']}/telemetry"
+    trainer = service.as_user(None)  # with the attempt's report token: the body is read, then checked
+    trainer.headers.update(service.backend.report_headers(job["id"]))
     point = {"step": 2**40, "rank": 0, "time": time.time(), "values": {"loss": 0.5}}
-    refused(service.http.post(url, json={"attempt": 1, "checkpoint": {"step": False, "uri": "/c"}}), "step")
-    refused(service.http.post(url, json={"attempt": 2**53, "points": [point]}), "attempt")
-    refused(service.http.post(url, json={"attempt": 1, "points": [{**point, "rank": 2**53}]}), "rank")
-    refused(service.http.post(url, json={"attempt": 1, "points": [point] * 1001}), "points")
+    refused(trainer.post(url, json={"attempt": 1, "checkpoint": {"step": False, "uri": "/c"}}), "step")
+    refused(trainer.post(url, json={"attempt": 2**53, "points": [point]}), "attempt")
+    refused(trainer.post(url, json={"attempt": 1, "points": [{**point, "rank": 2**53}]}), "rank")
+    refused(trainer.post(url, json={"attempt": 1, "points": [point] * 1001}), "points")
     nan = json.dumps({"attempt": 1, "points": [{**point, "values": {"loss": float("nan")}}]})
-    refused(service.http.post(url, content=nan, headers={"Content-Type": "application/json"}), "loss")
+    refused(trainer.post(url, content=nan, headers={"Content-Type": "application/json"}), "loss")
     assert post(service, job["id"], {"attempt": 1, "points": [point]})["stored"] == 1
     stored = service.http.get(f"/jobs/{job['id']}/metrics", params={"min_step": 2**40}).json()["data"]
     assert [(p["step"], p["values"]) for p in stored] == [(2**40, {"loss": 0.5})]

@@ -63,6 +63,9 @@ def test_a_job_runs_a_trainer_from_its_own_code_which_is_stored_once(
         stored = list((service.runtime.settings.data_dir / "checkpoints" / "_code").iterdir())
         assert [path.name for path in stored] == [f"{digest.removeprefix('sha256:')}.zip"]
         assert client.code(job.id) == pack(code).data
+    # The job page shows the package and links to it.
+    page = service.http.get(f"/jobs/{job.id}", headers={"Accept": "text/html"}).text
+    assert f'<a href="/jobs/{job.id}/code" download><code>{digest}</code></a>' in page
     service.tick()
     # Ray gets the stored package as the job's working_dir (its client uploads it to the cluster).
     assert service.backend.working_dir == str(stored[0])

@@ -28,3 +28,20 @@ def test_local_ray_env_tunes_for_one_machine_unless_the_operator_says_otherwise(
 
     operator = local_ray_env({"RAY_enable_metrics_collection": "1"}, auth_token_path=token)
     assert operator["RAY_enable_metrics_collection"] == "1"
+
+
+def test_the_serve_command_gives_ray_its_token_auth_before_ray_is_first_imported(tmp_path: Path) -> None:
+    """Ray fixes its auth mode at its first import, which `apiary serve` does early (to route Ray's
+    loggers): without this, every Jobs API call went without a token (401)."""
+    from service.runtime import ray_client_env
+    from service.settings import Settings
+
+    local = ray_client_env(Settings(data_dir=tmp_path))
+    assert local == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "ray_auth_token")}
+    external = Settings(ray_address="http://ray:8265", ray_auth_token="secret")
+    assert ray_client_env(external) == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "secret"}
+    assert ray_client_env(Settings(ray_address="http://ray:8265")) == {}
+    source = (Path(__file__).parents[2] / "api" / "cli.py").read_text()
+    for command in ("def serve(", "def demo("):
+        body = source[source.index(command) :]
+        assert body.index("ray_client_env(settings)") < body.index("route_ray_logs("), command
