@@ -58,16 +58,23 @@ def _settings(**overrides: Any) -> Settings:
 def serve(
     host: Annotated[str | None, typer.Option(help="Interface to listen on [default: 127.0.0.1].")] = None,
     port: Annotated[int | None, typer.Option(help="Port to listen on [default: 8000].")] = None,
+    forwarded_allow_ips: Annotated[
+        str | None,
+        typer.Option(
+            help="Proxies whose X-Forwarded-For/-Proto are believed, comma-separated or '*' "
+            "[default: 127.0.0.1; env APIARY_FORWARDED_ALLOW_IPS]."
+        ),
+    ] = None,
     verbose: Verbose = False,
 ) -> None:
     """Start the API, the scheduler and (unless APIARY_RAY_ADDRESS is set) a local Ray."""
     _private_files()
-    settings = _settings(host=host, port=port)
+    settings = _settings(host=host, port=port, forwarded_allow_ips=forwarded_allow_ips)
     cli_admin.refuse_unsafe_bind(settings)
     configure_logging(settings.log_format)
     os.environ.update(ray_client_env(settings))  # before Ray's first import (route_ray_logs)
     route_ray_logs(verbose=verbose)
-    server.serve(create_app(settings), host=settings.host, port=settings.port, log_format=settings.log_format)
+    server.serve(create_app(settings), settings)
 
 
 @app.command()

@@ -32,6 +32,7 @@ runs, as the user the cluster runs them as.
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 from collections.abc import Sequence
@@ -46,6 +47,8 @@ from service.contract.handoff import HANDOFF_DIR
 from service.contract.protocol import find_module
 from service.contract.spec import BUILTIN_TRAINERS, DataFormat
 from service.contract.storage import MAX_LIST_DEPTH, MAX_LIST_ENTRIES, DatasetMissing, list_shards
+
+logger = logging.getLogger(__name__)
 
 # Listings of all submissions share these threads: a flood of slow listings waits in line (and times
 # out) instead of starting a thread each.
@@ -136,6 +139,16 @@ def check_dataset(
             raise _not_available(uri, field=field)
     except DatasetMissing:
         raise _not_available(uri, field=field) from None
+    except DatasetError as err:
+        if not isinstance(err.__cause__, OSError):
+            raise
+        # The storage's own text names endpoints and hosts: it goes to the log, not to the client.
+        logger.warning("%s", err.message, extra={"action": "dataset_unreadable"})
+        raise DatasetError(
+            f"dataset {uri} cannot be read from its storage: check the URI and that the service may read "
+            "it (the service's log has the storage's answer)",
+            field=field,
+        ) from None
     except FutureTimeout:
         future.cancel()
         raise DatasetError(

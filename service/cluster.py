@@ -488,6 +488,8 @@ class LocalRay:
         temp_dir = local_ray_temp_dir(data_dir)
         log_path = data_dir / "ray.log"
         data_dir.mkdir(parents=True, exist_ok=True)
+        temp_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        temp_dir.parent.chmod(0o700)
         auth_token_path = _ensure_auth_token(data_dir / LOCAL_RAY_TOKEN_FILE)
         command = [
             ray_bin,
@@ -628,5 +630,7 @@ def local_ray_temp_dir(data_dir: Path) -> Path:
     preferred = data_dir / "ray"
     if len(str(preferred)) <= 36:
         return preferred
+    # Ray makes its temp folder 0777 (for several users of one machine): it goes one level below a
+    # folder of Apiary's own, 0700 like the data dir, through which nobody else reaches it.
     digest = hashlib.sha1(str(data_dir).encode()).hexdigest()[:10]
-    return Path("/tmp") / f"apiary-ray-{digest}"
+    return Path("/tmp") / f"apiary-ray-{digest}" / "ray"

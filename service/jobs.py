@@ -179,7 +179,7 @@ class JobService:
         and the local Ray's temp folder."""
         data_dir = self.settings.data_dir
         return OwnPlaces(
-            folders=(str(data_dir), str(local_ray_temp_dir(data_dir))),
+            folders=(str(data_dir), str(local_ray_temp_dir(data_dir).parent)),
             data_folders=(str(self.settings.datasets_dir),),
         )
 

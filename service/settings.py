@@ -124,6 +124,23 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    forwarded_allow_ips: str = Field(
+        default="127.0.0.1",
+        description="Comma-separated addresses (or '*') of the proxies whose X-Forwarded-For and "
+        "X-Forwarded-Proto are believed (uvicorn's --forwarded-allow-ips): a TLS proxy elsewhere must be "
+        "named, or requests look like plain HTTP and the login cookie is not Secure.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A connection must send a whole request head (request line and headers) within this "
+        "of opening or of its previous response, else it is closed (slow clients hold no descriptor).",
+    )
+    body_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="A request's body must arrive whole within this of the request's start, else 408.",
+    )
     public_url: str | None = Field(
         default=None, description="How trainers reach this API; default http://{host}:{port}."
     )

@@ -111,13 +111,19 @@ def stop_serve(served: Served, timeout_s: float = 90) -> None:
 
 
 @contextlib.contextmanager
-def serving(root: Path, *, env: dict[str, str] | None = None) -> Iterator[Served]:
+def serving(root: Path, *, env: dict[str, str] | None = None, timeout_s: float = 120) -> Iterator[Served]:
     """A service + local Ray on a fresh PostgreSQL database (the production database)."""
     from tests.conftest import _fresh_postgres_database
 
     database = _fresh_postgres_database()
     database_url = next(database)
-    served = start_serve(data_dir=root / "data", database_url=database_url, log=root / "serve.log", env=env)
+    served = start_serve(
+        data_dir=root / "data",
+        database_url=database_url,
+        log=root / "serve.log",
+        env=env,
+        timeout_s=timeout_s,
+    )
     try:
         yield served
     finally:

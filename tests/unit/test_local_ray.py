@@ -12,6 +12,7 @@ def test_ray_temp_dir_stays_short_enough_for_unix_sockets(tmp_path: Path) -> Non
     deep = tmp_path / ("x" * 80)
     short = local_ray_temp_dir(deep)
     assert len(str(short)) < 40 and short == local_ray_temp_dir(deep)  # stable, so a restart finds it
+    assert short.parent != Path("/tmp")  # Ray makes its folder 0777: Apiary's 0700 one holds it
 
 
 def test_local_ray_env_tunes_for_one_machine_unless_the_operator_says_otherwise(tmp_path: Path) -> None:
