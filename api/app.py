@@ -15,7 +15,20 @@ from api import errors
 from api.deps import AUTH_RESPONSES, RuntimeDep, get_current_user
 from api.gate import AuthenticateFirst
 from api.limits import BodyLimit, CleanText
-from api.routes import auth, code, compare, internal, jobs, logs, metrics, plan, queues, streams, tracking
+from api.routes import (
+    auth,
+    code,
+    compare,
+    internal,
+    jobs,
+    logs,
+    metrics,
+    plan,
+    queues,
+    streams,
+    sweeps,
+    tracking,
+)
 from api.schemas import Alive, Health, error_responses
 from api.transport import BodyDeadline
 from api.web import views as web
@@ -98,6 +111,7 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         code.router,
         compare.router,
         tracking.router,
+        sweeps.router,
     )
     for router in routers:
         app.include_router(router, dependencies=[Depends(get_current_user)], responses=AUTH_RESPONSES)

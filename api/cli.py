@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from api import cli_admin, cli_db, cli_jobs, server
+from api import cli_admin, cli_db, cli_jobs, cli_sweeps, server
 from api.app import create_app
 from api.cli_plan import plan_command
 from api.client import ApiaryClientError
@@ -32,6 +32,7 @@ app = typer.Typer(
 )
 console = Console(soft_wrap=True)
 cli_jobs.register(app)
+cli_sweeps.register(app)
 
 
 # Ray's own log lines (its INFO) too; Apiary's are shown either way.
@@ -157,7 +158,7 @@ def simulate(
     trace: Annotated[Path | None, typer.Argument(help="Trace CSV to replay (see --generate).")] = None,
     nodes: Annotated[int, typer.Option(min=1, help="Nodes of the simulated cluster.")] = 8,
     node: Annotated[str, typer.Option(help="Resources of one node.")] = "CPU=32,GPU=8",
-    policy: Annotated[str, typer.Option(help="two-queue, fifo or greedy.")] = "two-queue",
+    policy: Annotated[str, typer.Option(help="two-queue, fifo, greedy or share-first.")] = "two-queue",
     queues_file: Annotated[
         Path | None, typer.Option("--queues", help="Queue configuration (YAML/JSON) over the defaults.")
     ] = None,
@@ -171,15 +172,14 @@ def simulate(
     generate a trace: most jobs small and short, a few large and long, bursty daily arrivals."""
     from service.contract.queues import load
     from service.scheduling import simulate as sim
-    from service.scheduling.policy import POLICIES
 
     if generate is not None:
         sim.write_trace(sim.generate(generate, seed=seed), sys.stdout)
         return
     if trace is None:
         _usage_error("give a TRACE.csv to replay, or --generate N to write one")
-    if policy not in POLICIES:
-        _usage_error(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if policy not in sim.POLICIES:
+        _usage_error(f"--policy must be one of {', '.join(sim.POLICIES)}, got {policy!r}")
     try:
         resources = sim.parse_node(node)
         with trace.open(newline="", encoding="utf-8") as source:

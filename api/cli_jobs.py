@@ -127,7 +127,7 @@ def jobs(
             escape(job.owner),
             str(job.priority),
             str(job.spec.max_workers),
-            f"{job.latest_step or 0}/{job.spec.max_steps}",
+            _steps(job),
             _ago(job.created_at),
         )
     console.print(table if found else "no jobs")
@@ -184,7 +184,7 @@ def show(job_id: JobId, url: Url = None, token: Token = None, as_json: AsJson = 
         ("state", _state(job.state) + (f": {escape(job.message)}" if job.message else "")),
         ("queue", f"{job.queue}, priority {job.priority}"),
         ("trainer", f"{job.spec.trainer} on {job.spec.max_workers} worker(s), {job.spec.strategy.value}"),
-        ("progress", f"step {job.latest_step or 0}/{job.spec.max_steps}, attempt {job.attempt}"),
+        ("progress", f"step {_steps(job)}, attempt {job.attempt}"),
     ]
     if job.state is JobState.QUEUED and job.queue_position is not None:
         why = f": {escape(job.waiting_reason)}" if job.waiting_reason else ""
@@ -375,7 +375,7 @@ def _watch(client: ApiaryClient, job_id: int, *, interval_s: float) -> int:
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+        TextColumn("step {task.completed:.0f}{task.fields[of]}"),
         TextColumn("{task.fields[rate]}"),
         TextColumn("{task.fields[loss]}"),
         TextColumn("ETA"),
@@ -384,7 +384,12 @@ def _watch(client: ApiaryClient, job_id: int, *, interval_s: float) -> int:
     )
     with progress:
         task = progress.add_task(
-            _progress_title(job), total=job.spec.max_steps, completed=job.latest_step or 0, rate="", loss=""
+            _progress_title(job),
+            total=job.spec.max_steps,
+            completed=job.latest_step or 0,
+            rate="",
+            loss="",
+            of=f"/{job.spec.max_steps}" if job.spec.max_steps is not None else "",
         )
         while True:
             fields: dict[str, Any] = {}
@@ -404,6 +409,12 @@ def _watch(client: ApiaryClient, job_id: int, *, interval_s: float) -> int:
     outcome = f"job {job.id} {_state(job.state)}" + (f": {escape(job.message)}" if job.message else "")
     console.print(outcome)
     return 0 if job.state is JobState.SUCCEEDED else 1
+
+
+def _steps(job: JobPublic) -> str:
+    """The step a job reached, out of its max_steps (a function trainer may have none)."""
+    step = job.latest_step or 0
+    return f"{step}/{job.spec.max_steps}" if job.spec.max_steps is not None else str(step)
 
 
 def _progress_title(job: JobPublic) -> str:

@@ -49,6 +49,8 @@ from api.schemas import (
     MetricsPublic,
     QueuePublic,
     QueuesPublic,
+    SweepPublic,
+    SweepsPublic,
     TokenCreated,
     TokenPublic,
     TokensPublic,
@@ -285,6 +287,39 @@ class ApiaryClient:
             payload["code"] = self.upload_code(code, max_bytes=max_code_bytes).digest
         headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
         return self._post("/jobs", JobPublic, resend=True, json=payload, headers=headers)
+
+    def sweep(
+        self,
+        sweep: dict[str, Any] | str | Path,
+        *,
+        code: str | Path | None = None,
+        max_code_bytes: int = DEFAULT_CODE_MAX_BYTES,
+    ) -> SweepPublic:
+        """Start a sweep: a dict or the path of a YAML/JSON sweep file (service.contract.sweep). With
+        `code`, the folder is uploaded first and every trial runs it."""
+        payload = dict(sweep) if isinstance(sweep, dict) else parse_spec_text(Path(sweep).read_text())
+        if code is not None:
+            base = dict(payload.get("base") or {})
+            base["code"] = self.upload_code(code, max_bytes=max_code_bytes).digest
+            payload["base"] = base
+        return self._post("/sweeps", SweepPublic, json=payload)
+
+    def sweeps(self, *, limit: int = 100) -> list[SweepPublic]:
+        return self._get("/sweeps", SweepsPublic, params={"limit": limit}).data
+
+    def get_sweep(self, sweep_id: int) -> SweepPublic:
+        return self._get(f"/sweeps/{sweep_id}", SweepPublic)
+
+    def cancel_sweep(self, sweep_id: int) -> SweepPublic:
+        return self._post(f"/sweeps/{sweep_id}/cancel", SweepPublic, resend=True)
+
+    def best_spec(self, sweep_id: int, *, queue: str | None = None) -> JobSpec:
+        """The sweep's best trial's spec, ready to submit (in `queue` if given)."""
+        return self._get(f"/sweeps/{sweep_id}/best", JobSpec, params=_without_none(queue=queue))
+
+    def resume(self, job_id: int) -> JobPublic:
+        """Queue a pruned trial again, from its checkpoint."""
+        return self._post(f"/jobs/{job_id}/resume", JobPublic, resend=True)
 
     def upload_code(self, folder: str | Path, *, max_bytes: int = DEFAULT_CODE_MAX_BYTES) -> CodePublic:
         """Pack `folder` (service.contract.code: without .git, __pycache__, .venv and what its

@@ -13,6 +13,7 @@ from service.jobs import JobService
 from service.runtime import Runtime
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
+from service.sweeps import SweepService
 
 TOKEN_COOKIE = "apiary_token"  # the web view's token (set by POST /login), HttpOnly
 
@@ -33,6 +34,10 @@ def get_runtime(request: Request) -> Runtime:
 
 def get_jobs(runtime: Annotated[Runtime, Depends(get_runtime)]) -> JobService:
     return runtime.jobs
+
+
+def get_sweeps(runtime: Annotated[Runtime, Depends(get_runtime)]) -> SweepService:
+    return runtime.sweeps
 
 
 def get_scheduler(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Scheduler:
@@ -64,6 +69,7 @@ def authenticate(auth: Auth, *, bearer: str | None, cookie: str | None) -> User:
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 JobsDep = Annotated[JobService, Depends(get_jobs)]
+SweepsDep = Annotated[SweepService, Depends(get_sweeps)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 AuthDep = Annotated[Auth, Depends(get_auth)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

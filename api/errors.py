@@ -31,6 +31,7 @@ from service.contract.errors import (
     LastAdminToken,
     LogsNotFound,
     ReportRefused,
+    SweepNotFound,
     TokenNotFound,
     Unauthenticated,
     one_line,
@@ -43,6 +44,7 @@ RETRY_AFTER_S = 5
 
 STATUS: dict[type[ApiaryError], int] = {
     JobNotFound: 404,
+    SweepNotFound: 404,
     InvalidSpec: 422,
     InvalidTransition: 409,
     IdempotencyKeyReused: 409,

@@ -16,6 +16,7 @@ from service.contract.states import CheckpointState, JobState
 if TYPE_CHECKING:  # the SDK (api.client) reads these schemas without the database's modules
     from service.jobs import Comparison, QueueView
     from service.store.models import ApiToken, Checkpoint, CodePackage, Job, JobEvent, Metric
+    from service.sweeps import SweepView, Trial
 
 
 class JobUpdate(BaseModel):
@@ -358,3 +359,64 @@ class ComparePublic(BaseModel):
             ],
             spec_diff=comparison.spec_diff,
         )
+
+
+class TrialPublic(BaseModel):
+    trial: int
+    job: int
+    state: JobState
+    params: dict[str, Any] = Field(description="The point of the search space it runs.")
+    objective: float | None = Field(description="The objective's last value (rank 0), if reported.")
+    step: int | None = Field(description="Its latest step.")
+    message: str | None
+
+
+class SweepPublic(BaseModel):
+    id: int
+    name: str
+    owner: str
+    state: str = Field(description="running | succeeded | cancelled | failed")
+    method: str
+    objective: dict[str, str]
+    total: int = Field(description="The trials it runs in all (max_trials, or the grid's size).")
+    trials: list[TrialPublic]
+    best: TrialPublic | None
+    message: str | None
+    spec: dict[str, Any]
+    created_at: UtcDatetime
+    finished_at: UtcDatetime | None
+
+    @classmethod
+    def build(cls, view: SweepView) -> SweepPublic:
+        def trial(t: Trial) -> TrialPublic:
+            return TrialPublic(
+                trial=t.job.trial or 0,
+                job=t.job.id,
+                state=t.job.state,
+                params=t.job.trial_params or {},
+                objective=t.objective,
+                step=t.job.latest_step,
+                message=t.job.message,
+            )
+
+        sweep = view.sweep
+        return cls(
+            id=sweep.id,
+            name=sweep.name,
+            owner=sweep.owner,
+            state=sweep.state,
+            method=view.spec.method,
+            objective=view.spec.objective.model_dump(),
+            total=view.total,
+            trials=[trial(t) for t in view.trials],
+            best=trial(view.best) if view.best is not None else None,
+            message=sweep.message,
+            spec=sweep.spec,
+            created_at=sweep.created_at,
+            finished_at=sweep.finished_at,
+        )
+
+
+class SweepsPublic(BaseModel):
+    data: list[SweepPublic]
+    count: int

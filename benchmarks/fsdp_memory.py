@@ -110,21 +110,21 @@ def worker(rank: int, world_size: int, spec_json: str, out: str, port: int) -> N
         model = trainer.build_model({"seq_len": seq_len})
         num_parameters = sum(p.numel() for p in model.parameters())
         model = parallelize(model, strategy=spec.strategy, device=torch.device("cpu"))
-        optimizer, _ = trainer.build_optimizer(model, max_steps=spec.max_steps)
+        optimizer, _ = trainer.build_optimizer(model, max_steps=spec.required_max_steps)
         _release_freed_memory()
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident memory
 
         generator = torch.Generator().manual_seed(rank)
         vocab_size = trainer.config.vocab_size
         started = time.perf_counter()
-        for _ in range(spec.max_steps):
-            tokens = torch.randint(0, vocab_size, (spec.batch_size, seq_len), generator=generator)
+        for _ in range(spec.required_max_steps):
+            tokens = torch.randint(0, vocab_size, (spec.required_batch_size, seq_len), generator=generator)
             loss, _ = split_loss(trainer.loss(model, {"tokens": tokens}))
             optimizer.zero_grad(set_to_none=True)  # as the loop does; the last step's gradients stay
             loss.backward()
             clip_grad_norm(model, max_norm=1.0)
             optimizer.step()
-        step_s = (time.perf_counter() - started) / spec.max_steps
+        step_s = (time.perf_counter() - started) / spec.required_max_steps
         peak = _proc_status_bytes("VmHWM")
 
         parameters = list(model.parameters())

@@ -150,7 +150,7 @@ def build_variant(
         max_workers=max_workers,
     )
     assert is_sharded(model) == (strategy is Strategy.FSDP and max_workers > 1)
-    optimizer, _ = trainer.build_optimizer(model, max_steps=spec.max_steps)
+    optimizer, _ = trainer.build_optimizer(model, max_steps=spec.required_max_steps)
     generator = torch.Generator().manual_seed(rank)
     vocab = SIZES[size]["vocab_size"]
 

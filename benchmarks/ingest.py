@@ -89,11 +89,15 @@ def consume(request_json: str, info: dict[str, Any], rank: int, num_batches: int
         next(batches)
     steady_s = time.perf_counter() - steady_started
     batches.close()
-    return {"first_batch_s": first_s, "rows": (num_batches - 1) * spec.batch_size, "steady_s": steady_s}
+    return {
+        "first_batch_s": first_s,
+        "rows": (num_batches - 1) * spec.required_batch_size,
+        "steady_s": steady_s,
+    }
 
 
 def bench_pipeline(spec: JobSpec, info: DatasetInfo, *, epochs: int) -> dict[str, float]:
-    per_rank_batches = info.num_rows // 2 // spec.batch_size
+    per_rank_batches = info.num_rows // 2 // spec.required_batch_size
     results = ray.get(
         [
             # Positional: Ray's typed `.remote` does not take keyword arguments.
@@ -129,7 +133,10 @@ def bench_mock(spec: JobSpec, info: DatasetInfo, *, batches: int) -> dict[str, f
     started = time.perf_counter()
     for _ in range(batches):
         _ = batch["tokens"]
-    return {"rows_per_s": batches * spec.batch_size / (time.perf_counter() - started), "first_batch_s": 0.0}
+    return {
+        "rows_per_s": batches * spec.required_batch_size / (time.perf_counter() - started),
+        "first_batch_s": 0.0,
+    }
 
 
 class Collector:

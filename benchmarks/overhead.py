@@ -2,9 +2,12 @@
 
     .venv/bin/python benchmarks/overhead.py                  # 150 steps, 3 Apiary jobs
     .venv/bin/python benchmarks/overhead.py --steps 300 --repeats 5
+    .venv/bin/python benchmarks/overhead.py --trainer hf-gpt2 --custom-repeats 0   # the GPT-2 recipe
 
 One run does both sides on one synthetic token dataset (parquet, `api.demo.token_table`) and one
-JobSpec (built-in `gpt`, 2 workers, 1 CPU each):
+JobSpec (built-in `gpt`, or with `--trainer hf-gpt2` the Hugging Face GPT-2 recipe of
+`examples/hf_gpt2` at the same sizes; 2 workers, 1 CPU each; plain DDP builds the same recipe's model,
+loss and optimizer):
 
 1. plain DDP with the machine to itself: `benchmarks/plain_ddp.py`, 2 processes, gloo, pyarrow reads
    the shards into memory;
@@ -59,6 +62,8 @@ GOAL_FIXED_COST_S = 8.0
 # Issue 16: submission to the end of step 1 at most plain DDP's process start to its step 1 plus this.
 GOAL_OVER_PLAIN_S = 3.0
 CUSTOM_TRAINER = "benchmarks.startup_trainer:train"
+# --trainer: the built-in gpt, or the Hugging Face GPT-2 recipe (examples/hf_gpt2) on the same tokens.
+TRAINERS = {"gpt": "gpt", "hf-gpt2": "examples.hf_gpt2.hf_gpt2:GPT2LM"}
 
 
 def load() -> str:
@@ -67,24 +72,37 @@ def load() -> str:
 
 
 def build_spec(args: argparse.Namespace, *, dataset_uri: str, max_steps: int, name: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "queue": "research",
-        "trainer": "gpt",
-        "num_workers": args.workers,
-        "resources_per_worker": {"CPU": 1},
-        "dataset": {"uri": dataset_uri, "format": "parquet"},
-        "max_steps": max_steps,
-        "batch_size": args.batch_size,
-        "seed": 0,
-        "config": {
+    trainer = getattr(args, "trainer", "gpt")
+    config = (
+        {
             "vocab_size": args.vocab_size,
             "d_model": args.d_model,
             "n_layers": args.n_layers,
             "n_heads": args.n_heads,
             "lr": 1e-3,
             "warmup_steps": 10,
-        },
+        }
+        if trainer == "gpt"
+        else {
+            "vocab_size": args.vocab_size,
+            "n_embd": args.d_model,
+            "n_layer": args.n_layers,
+            "n_head": args.n_heads,
+            "lr": 1e-3,
+            "warmup_steps": 10,
+        }
+    )
+    return {
+        "name": name,
+        "queue": "research",
+        "trainer": TRAINERS[trainer],
+        "num_workers": args.workers,
+        "resources_per_worker": {"CPU": 1},
+        "dataset": {"uri": dataset_uri, "format": "parquet"},
+        "max_steps": max_steps,
+        "batch_size": args.batch_size,
+        "seed": 0,
+        "config": config,
     }
 
 
@@ -221,7 +239,7 @@ class Serve:
             "APIARY_DATA_ROOTS": data_root.as_uri(),
             # The custom trainer below (benchmarks.startup_trainer): the local Ray's processes, the
             # job's driver and workers among them, inherit this path from `apiary serve`.
-            "APIARY_TRAINER_MODULES": "benchmarks",
+            "APIARY_TRAINER_MODULES": "benchmarks,examples",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             "RAY_USAGE_STATS_ENABLED": "0",
         }
@@ -397,7 +415,15 @@ def measure_job(
 def measure_custom_job(serve: Serve, client: ApiaryClient, spec: dict[str, Any]) -> dict[str, Any]:
     """One job of the custom trainer (benchmarks.startup_trainer): its start-up marks only (it posts
     no step metrics; it marks the end of its own step 1)."""
-    measured = run_job(client, {**spec, "name": "overhead-custom", "trainer": CUSTOM_TRAINER}, timeout_s=900)
+    # A Ray Train function gets the spec's `config`: what it needs of the spec goes there.
+    config = {
+        **spec["config"],
+        "max_steps": spec["max_steps"],
+        "batch_size": spec["batch_size"],
+        "seed": spec["seed"],
+    }
+    custom = {**spec, "name": "overhead-custom", "trainer": CUSTOM_TRAINER, "config": config}
+    measured = run_job(client, custom, timeout_s=900)
     submission_id = measured["job"]["ray_submission_id"]
     phases = {
         **event_offsets(measured["events"], since=measured["submitted"]),
@@ -528,7 +554,8 @@ def report(
             f"- machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} cores, "
             f"{platform.python_implementation()} {platform.python_version()}, no GPU",
             f"- command: `{command}`",
-            f"- workload: gpt d_model={args.d_model} n_layers={args.n_layers} n_heads={args.n_heads} "
+            f"- workload: {TRAINERS[args.trainer]} d_model={args.d_model} n_layers={args.n_layers} "
+            f"n_heads={args.n_heads} "
             f"vocab={args.vocab_size} seq_len={args.seq_len}, "
             f"{args.workers} workers x batch {args.batch_size}, "
             f"{args.steps} steps (steady state = steps {args.warmup_steps + 1}..{args.steps}); "
@@ -603,6 +630,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=150, help="training steps of each side")
+    parser.add_argument(
+        "--trainer", choices=sorted(TRAINERS), default="gpt", help="the model both sides train"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="measured Apiary jobs (and plain runs beside)")
     parser.add_argument(
         "--custom-repeats", type=int, default=2, help=f"measured jobs of a custom trainer ({CUSTOM_TRAINER})"

@@ -38,7 +38,7 @@ from trainers.recipe import recipe_for, split_loss
 
 def load_rows(spec: JobSpec, *, rank: int, world_size: int) -> np.ndarray:
     """This rank's token rows, [rows, seq_len] int64, read with pyarrow (as a plain script would)."""
-    files, filesystem = list_shards(spec.dataset.uri)
+    files, filesystem = list_shards(spec.required_dataset.uri)
     table = pads.dataset(files, filesystem=filesystem, format="parquet").to_table(columns=["tokens"])
     column = table.column("tokens").combine_chunks()
     seq_len = len(column[0])
@@ -55,15 +55,15 @@ def worker(rank: int, world_size: int, spec_json: str, out: str, threads: int, p
     torch.manual_seed(spec.seed)
     trainer = recipe_for(spec)
     model = nn.parallel.DistributedDataParallel(trainer.build_model({"seq_len": rows.shape[1]}))
-    optimizer, lr_schedule = trainer.build_optimizer(model.module, max_steps=spec.max_steps)
+    optimizer, lr_schedule = trainer.build_optimizer(model.module, max_steps=spec.required_max_steps)
     grad_clip = trainer.grad_clip or math.inf
-    batches_per_epoch = len(rows) // spec.batch_size
+    batches_per_epoch = len(rows) // spec.required_batch_size
     step_times: list[float] = []
     losses: list[float] = []
     model.train()
-    for step in range(spec.max_steps):
-        start = (step % batches_per_epoch) * spec.batch_size
-        batch = {"tokens": torch.from_numpy(rows[start : start + spec.batch_size])}
+    for step in range(spec.required_max_steps):
+        start = (step % batches_per_epoch) * spec.required_batch_size
+        batch = {"tokens": torch.from_numpy(rows[start : start + spec.required_batch_size])}
         loss, _ = split_loss(trainer.loss(model, batch))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -58,7 +58,7 @@ def first_batch_s(
         collate_fn=recipe_for(spec).build_collate(dataset.row_shape, uri=dataset.uri),
         start=DataPosition(0, 0 if naive else start_sample),
     )
-    for _ in range(start_sample // spec.batch_size if naive else 0):
+    for _ in range(start_sample // spec.required_batch_size if naive else 0):
         next(batches)
     next(batches)
     elapsed = time.perf_counter() - started

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -117,13 +118,15 @@ class CodeStore:
         filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
         if isinstance(filesystem, pafs.LocalFileSystem):
             # Written beside, then renamed: a reader never sees half a package.
-            partial = f"{path}.{os.getpid()}.partial"
+            partial = f"{path}.{secrets.token_hex(6)}.partial"  # one per writer (threads, replicas)
             shutil.copyfile(file, partial)
             os.replace(partial, path)
             return
         with filesystem.open_output_stream(path) as out, file.open("rb") as source:
             while chunk := source.read(_CHUNK_BYTES):
                 out.write(chunk)
+        if file.parent == self.cache_dir:  # an upload, checked: this replica's copy for its submissions
+            os.replace(file, self.cache_dir / f"{sha256}.zip")
 
     def local_path(self, sha256: str) -> Path:
         """The package as a file on this machine (fetched once from S3 and checked); OSError when the
@@ -137,7 +140,7 @@ class CodeStore:
         if cached.is_file():
             return cached
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        partial = self.cache_dir / f"{sha256}.{os.getpid()}.partial"
+        partial = self.cache_dir / f"{sha256}.{secrets.token_hex(6)}.partial"
         digest = hashlib.sha256()
         with filesystem.open_input_stream(path) as source, partial.open("wb") as out:
             while chunk := source.read(_CHUNK_BYTES):

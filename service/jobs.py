@@ -64,6 +64,7 @@ from service.contract.queues import QueueConfig
 from service.contract.spec import JobSpec, Queue
 from service.contract.states import JobState, StopReason
 from service.contract.storage import node_local
+from service.contract.trainer_kind import TrainerKind, TrainerNotDefined, kind_of_trainer, kind_refusal
 from service.observability import Gauges, Metrics, RunningJob
 from service.planning.formulas import Plan
 from service.planning.measured import measured_plan
@@ -95,6 +96,27 @@ class Submission:
 
     job: Job
     replayed: bool
+
+
+def _installed_kind(trainer: str) -> TrainerKind | None:
+    """The kind of a trainer installed beside the service, from its module's source (imports nothing);
+    None when the source cannot tell. Raises `InvalidSpec` (field `trainer`) when it lacks the name."""
+    try:
+        return kind_of_trainer(trainer)
+    except TrainerNotDefined:
+        module, _, name = trainer.partition(":")
+        raise InvalidSpec(
+            f"trainer {trainer!r}: module {module!r} has no {name!r}", field="trainer"
+        ) from None
+
+
+def _check_kind(spec: JobSpec, kind: TrainerKind | None) -> None:
+    """Raise `InvalidSpec` naming the first field that a trainer of `kind` cannot honor
+    (`service.contract.trainer_kind.kind_refusal`); an unknown kind is the job's driver's to check."""
+    given = {"checkpoint.async"} if "async_" in spec.checkpoint.model_fields_set else set()
+    refused = kind_refusal(spec, kind, given=given)
+    if refused is not None:
+        raise InvalidSpec(f"{refused.field}: {refused.message}", field=refused.field)
 
 
 def _resumed_from(batch: TelemetryBatch) -> int | None:
@@ -205,34 +227,7 @@ class JobService:
                 )
                 if found is not None:
                     return self._replay(session, found, digest)
-        self._check_priority(spec)
-        auth.check_priority(by, spec.priority, ceiling=self.settings.user_max_priority)
-        spec = self._apply_queue(spec)
-        package = self._code_of(spec, by=by)
-        # A trainer from the job's own code is the owner's to run: the allowlist is for what is
-        # installed beside the service.
-        from_code = package is not None and trainer_in_code(package[0], spec.trainer)[0]
-        if not from_code:
-            check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
-        check_dataset(
-            spec.dataset.uri,
-            roots=self.settings.resolved_data_roots,
-            data_format=spec.dataset.format,
-            s3_endpoint_url=self.settings.s3_endpoint_url,
-            timeout_s=self.settings.dataset_check_timeout_s,
-            own=self._own_places(),
-        )
-        if spec.eval is not None:
-            check_dataset(
-                spec.eval.dataset.uri,
-                roots=self.settings.resolved_data_roots,
-                data_format=spec.eval.dataset.format,
-                s3_endpoint_url=self.settings.s3_endpoint_url,
-                timeout_s=self.settings.dataset_check_timeout_s,
-                own=self._own_places(),
-                field="eval.dataset.uri",
-            )
-        self._check_fits(spec)
+        spec, package = self.checked(spec, by=by)
         try:
             with self.db.session() as session:
                 job = repository.create_job(session, spec=spec, owner=owner)
@@ -269,6 +264,43 @@ class JobService:
                     extra={"action": "idempotent_race", "job": {"id": found.job_id}},
                 )
                 return self._replay(session, found, digest)
+
+    def checked(self, spec: JobSpec, *, by: User) -> tuple[JobSpec, tuple[Path, CodePackage] | None]:
+        """What `submit` checks before it writes anything: priority, queue limits (the spec as stored,
+        with its queue's defaults), code, trainer, datasets, size. Returns the spec to store and its
+        code package; raises what the API maps to 4xx."""
+        self._check_priority(spec)
+        auth.check_priority(by, spec.priority, ceiling=self.settings.user_max_priority)
+        spec = self._apply_queue(spec)
+        package = self._code_of(spec, by=by)
+        # A trainer from the job's own code is the owner's to run: the allowlist is for what is
+        # installed beside the service.
+        from_code, kind = trainer_in_code(package[0], spec.trainer) if package is not None else (False, None)
+        if not from_code:
+            check_trainer(spec.trainer, allowed_modules=self.settings.trainer_module_prefixes)
+            kind = _installed_kind(spec.trainer)
+        _check_kind(spec, kind)
+        if spec.dataset is not None:
+            check_dataset(
+                spec.dataset.uri,
+                roots=self.settings.resolved_data_roots,
+                data_format=spec.dataset.format,
+                s3_endpoint_url=self.settings.s3_endpoint_url,
+                timeout_s=self.settings.dataset_check_timeout_s,
+                own=self._own_places(),
+            )
+        if spec.eval is not None:
+            check_dataset(
+                spec.eval.dataset.uri,
+                roots=self.settings.resolved_data_roots,
+                data_format=spec.eval.dataset.format,
+                s3_endpoint_url=self.settings.s3_endpoint_url,
+                timeout_s=self.settings.dataset_check_timeout_s,
+                own=self._own_places(),
+                field="eval.dataset.uri",
+            )
+        self._check_fits(spec)
+        return spec, package
 
     def _code_of(self, spec: JobSpec, *, by: User) -> tuple[Path, CodePackage] | None:
         """The package a spec names, checked: code uploads on, the submitter's own upload (an admin
@@ -395,6 +427,28 @@ class JobService:
         if submission_id:
             stop_job(self.backend, submission_id)
         return job
+
+    def resume(self, job_id: int, *, by: User) -> Job:
+        """Queue a pruned sweep trial again; it resumes from its checkpoint (its owner or an admin)."""
+        with self.db.session() as session:
+            job = repository.get_job(session, job_id, for_update=True)
+            auth.require_owner_or_admin(by, owner=job.owner, job_id=job_id, action="resume")
+            if job.state is not JobState.PRUNED:
+                raise InvalidTransition(
+                    f"job {job_id} is {job.state.value}: only a pruned trial can be resumed"
+                )
+            step = job.latest_checkpoint_step
+            where = f"its checkpoint at step {step}" if step is not None else "step 0 (it has no checkpoint)"
+            return repository.transition(
+                session,
+                job,
+                JobState.QUEUED,
+                actor=by.name,
+                reason=f"resumed by {by.name}: queued again, from {where}",
+                finished_at=None,
+                message=None,
+                ray_submission_id=None,
+            )
 
     def preempt(self, job_id: int, *, by: User) -> Job:
         """Tell a running job to checkpoint and stop; it goes back to the queue in its place (its owner
@@ -626,7 +680,7 @@ class JobService:
                         queue=job.queue,
                         step=job.latest_step,
                         samples_per_s=spec.batch_size * num_workers / job.seconds_per_step
-                        if job.seconds_per_step
+                        if job.seconds_per_step and spec.batch_size is not None
                         else None,
                     )
                 )
@@ -759,7 +813,12 @@ class JobService:
             # Queue anyway: the scheduler admits it once the cluster is back.
             logger.warning("cannot check capacity at submission: %s", err)
             return
-        if len(cluster.nodes) > 1 and not self.settings.shared_filesystem and node_local(spec.dataset.uri):
+        if (
+            spec.dataset is not None
+            and len(cluster.nodes) > 1
+            and not self.settings.shared_filesystem
+            and node_local(spec.dataset.uri)
+        ):
             raise InvalidSpec(
                 f"dataset {spec.dataset.uri} is a local path and the cluster has {len(cluster.nodes)} "
                 "nodes, which cannot all read it: put it in object storage (s3://...), or set "

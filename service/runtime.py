@@ -22,6 +22,7 @@ from service.observability import Metrics
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings, secret_value
 from service.store.db import Database
+from service.sweeps import SweepRunner, SweepService
 from service.tracking import Exporter
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class Runtime:
         self._scheduler: Scheduler | None = None
         self._backend: CurrentBackend | None = None
         self._exporter: Exporter | None = None
+        self._sweeps: SweepService | None = None
+        self._sweep_runner: SweepRunner | None = None
         self._stopping = threading.Event()
         self._watchdog: threading.Thread | None = None
 
@@ -99,6 +102,16 @@ class Runtime:
         )
         if self._exporter is not None and self._run_scheduler:
             self._exporter.start()
+        self._sweeps = SweepService(db=self.db, jobs=self._jobs)
+        self._sweep_runner = SweepRunner(
+            db=self.db,
+            jobs=self._jobs,
+            is_leader=lambda: scheduler.is_leader,
+            interval_s=self.settings.sweep_interval_s,
+            wake=scheduler.wake,
+        )
+        if self._run_scheduler:
+            self._sweep_runner.start()
         if self.local_ray is not None:
             self._watchdog = threading.Thread(
                 target=self._watch_local_ray, name="apiary-ray-watch", daemon=True
@@ -151,6 +164,17 @@ class Runtime:
         return self._scheduler.drain(timeout_s=self.settings.queues.preempt_grace_s + 15)
 
     @property
+    def sweeps(self) -> SweepService:
+        assert self._sweeps is not None, "Runtime.start() first"
+        return self._sweeps
+
+    @property
+    def sweep_runner(self) -> SweepRunner:
+        """Starts and prunes the sweeps' trials (service.sweeps); tests call its `tick()`."""
+        assert self._sweep_runner is not None, "Runtime.start() first"
+        return self._sweep_runner
+
+    @property
     def exporter(self) -> Exporter | None:
         """What sends metrics to TensorBoard and MLflow (service.tracking); None with both off."""
         return self._exporter
@@ -161,6 +185,8 @@ class Runtime:
             self._scheduler.stop()
         if self._exporter is not None:
             self._exporter.stop()
+        if self._sweep_runner is not None:
+            self._sweep_runner.stop()
         if self.local_ray is not None:
             self.local_ray.stop()
             self.local_ray = None

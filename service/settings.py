@@ -112,6 +112,12 @@ class Settings(BaseSettings):
         default=2.0, gt=0, description="How often new metric points go to TensorBoard and MLflow."
     )
 
+    sweep_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How often the sweeps start trials and prune the losers (service.sweeps).",
+    )
+
     migrate_on_start: bool = Field(
         default=True,
         description="Upgrade the database schema when the service starts. A deployment that migrates "

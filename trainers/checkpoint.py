@@ -959,7 +959,7 @@ class Checkpointer:
         stop, writing, time_due = _any_rank_each(
             [stop_requested, writer is not None and writer.busy, time_due], device=self.device
         )
-        final = stop or state.step >= self.spec.max_steps
+        final = stop or (self.spec.max_steps is not None and state.step >= self.spec.max_steps)
         due = final or time_due or self.due(state.step)
         if writer is not None and writer.in_flight is not None and (due or not writing):
             if writing and self.rank == 0:

@@ -103,8 +103,8 @@ def inspect_dataset(
     With a manifest, every shard is first checked against it (size, and sha256 unless
     `verify_checksums` is False). Raises `DatasetError` (a `ValueError`) with a one-line reason.
     """
-    uri = spec.dataset.uri
-    data_format = spec.dataset.format
+    uri = spec.required_dataset.uri
+    data_format = spec.required_dataset.format
     files, filesystem = list_shards(uri, data_format=data_format, s3_endpoint_url=s3_endpoint_url)
     # None for a single file and for a folder written by other tools; list_shards checked the format.
     manifest = read_manifest(uri, s3_endpoint_url=s3_endpoint_url)
@@ -119,8 +119,9 @@ def inspect_dataset(
             files, filesystem=filesystem, uri=uri, manifest=manifest
         )
     num_rows = sum(rows for _, _, rows in units)
-    # An elastic job may grow to max_workers: the dataset must feed one step of the largest group.
-    rows_per_step = spec.max_workers * spec.batch_size
+    # An elastic job may grow to max_workers: the dataset must feed one step of the largest group (a
+    # function trainer without batch_size chooses its own batches).
+    rows_per_step = spec.max_workers * (spec.batch_size or 1)
     if num_rows < rows_per_step:
         raise DatasetError(
             f"dataset {uri} has {num_rows} rows but one step needs num_workers x batch_size = "
@@ -236,9 +237,9 @@ def iter_batches_for_rank(
         units=tuple(info.read_units()),
         seed=spec.seed,
         world_size=world_size,
-        batch_size=spec.batch_size,
-        shuffle=spec.dataset.shuffle,
-        buffer_rows=spec.dataset.shuffle_buffer_rows,
+        batch_size=spec.required_batch_size,
+        shuffle=spec.required_dataset.shuffle,
+        buffer_rows=spec.required_dataset.shuffle_buffer_rows,
     )
     try:
         stream = iter_rank_batches(

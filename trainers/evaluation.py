@@ -72,16 +72,16 @@ class Evaluator:
     def num_batches(self) -> int:
         """Batches each rank evaluates: its whole share, or `max_batches` of it."""
         per_rank = rows_per_rank(
-            self.info.num_rows, world_size=self.world_size, batch_size=self.spec.batch_size
+            self.info.num_rows, world_size=self.world_size, batch_size=self.spec.required_batch_size
         )
-        batches = per_rank // self.spec.batch_size
+        batches = per_rank // self.spec.required_batch_size
         return batches if self.eval.max_batches is None else min(batches, self.eval.max_batches)
 
     def due(self, step: int, *, checkpoint_due: bool) -> bool:
         """Whether to evaluate after `step` (`checkpoint_due`: a checkpoint is due by the step count)."""
         every = self.eval.every_steps
         return (
-            step >= self.spec.max_steps
+            step >= self.spec.required_max_steps
             or (every is not None and step % every == 0)
             or (self._at_checkpoints and checkpoint_due)
         )

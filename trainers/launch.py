@@ -77,7 +77,13 @@ from service.contract.protocol import (
 )
 from service.contract.spec import JobSpec
 from service.contract.storage import checkpoint_uri, resolve_uri
-from service.contract.trainer_kind import CONTEXT_TYPE, TrainerKind, TrainerNotDefined, kind_of_trainer
+from service.contract.trainer_kind import (
+    CONTEXT_TYPE,
+    TrainerKind,
+    TrainerNotDefined,
+    kind_of_trainer,
+    kind_refusal,
+)
 from trainers import startup
 from trainers.backend import ProcessGroupConfig
 from trainers.data import DatasetInfo, inspect_dataset
@@ -199,25 +205,36 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
     kind = trainer_kind(spec.trainer)
     # A recipe's module is imported here: its config and its column check run before any worker starts.
     recipe = recipe_for(spec) if kind is TrainerKind.RECIPE else None
+    refused = kind_refusal(spec, kind)
+    if refused is not None:
+        raise ValueError(f"{refused.field}: {refused.message}")
     train_fn = train_function_for(kind, spec.trainer)
-    dataset_info = inspect_dataset(spec, recipe=recipe, s3_endpoint_url=request.s3_endpoint_url)
-    eval_info = inspect_eval_dataset(
-        spec, recipe=recipe, train=dataset_info, s3_endpoint_url=request.s3_endpoint_url
+    # A function trainer may have no dataset: it reads its own data.
+    dataset_info = (
+        inspect_dataset(spec, recipe=recipe, s3_endpoint_url=request.s3_endpoint_url)
+        if spec.dataset is not None
+        else None
+    )
+    eval_info = (
+        inspect_eval_dataset(spec, recipe=recipe, train=dataset_info, s3_endpoint_url=request.s3_endpoint_url)
+        if dataset_info is not None
+        else None
     )
     startup.mark("checked")
     storage_path, storage_filesystem = resolve_uri(
         request.storage_uri, s3_endpoint_url=request.s3_endpoint_url
     )
     logger.info(
-        "job %d attempt %d: %s on %s workers, %d steps, dataset %s (%d rows, %d files), run %s/%s",
+        "job %d attempt %d: %s (%s) on %s workers, %s, %s, run %s/%s",
         request.job_id,
         request.attempt,
         spec.trainer,
+        kind,
         f"{spec.min_workers}-{spec.max_workers}" if spec.is_elastic else spec.max_workers,
-        spec.max_steps,
-        dataset_info.uri,
-        dataset_info.num_rows,
-        len(dataset_info.files),
+        f"{spec.max_steps} steps" if spec.max_steps is not None else "until the function returns",
+        f"dataset {dataset_info.uri} ({dataset_info.num_rows} rows, {len(dataset_info.files)} files)"
+        if dataset_info is not None
+        else "no dataset",
         request.storage_uri,
         request.run_name,
     )
@@ -235,7 +252,7 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
         # token from storage (service.contract.handoff.loop_token).
         train_loop_config={
             "request": request.model_dump(mode="json"),
-            "dataset": dataset_info.to_dict(),
+            "dataset": dataset_info.to_dict() if dataset_info is not None else None,
             "eval_dataset": eval_info.to_dict() if eval_info is not None else None,
             LOOP_CONFIG_KEY: pointer.model_dump(mode="json") if pointer is not None else None,
         },
@@ -250,9 +267,9 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
         # Recipes read their own deterministic per-rank streams (trainers.data_stream); a function
         # trainer still gets the whole dataset through `ray.train.get_dataset_shard`.
         datasets=(
-            None
-            if recipe is not None
-            else {DATASET_NAME: build_ray_dataset(dataset_info, s3_endpoint_url=request.s3_endpoint_url)}
+            {DATASET_NAME: build_ray_dataset(dataset_info, s3_endpoint_url=request.s3_endpoint_url)}
+            if recipe is None and dataset_info is not None
+            else None
         ),
         dataset_config=ray.train.DataConfig(
             # The dataset's own DataContext execution options: this job's data tasks stay within
@@ -365,18 +382,12 @@ def recipe_train_loop(loop_config: dict[str, Any]) -> None:
     train_loop_per_worker(loop_config)
 
 
-def run_custom_trainer(trainer: str, loop_config: dict[str, Any]) -> Any:
+def run_custom_trainer(trainer: str, loop_config: dict[str, Any]) -> None:
     """On a worker: the start-up marks (what follows is the trainer's own), then the trainer.
 
-    A function trainer (`trainer: "package.module:function"`) is called once per worker with the loop
-    config (Ray Train's `train_loop_config`):
-
-        loop_config["request"]  the LaunchRequest as a JSON-ready dict
-                                (`LaunchRequest.model_validate(loop_config["request"])` gives it
-                                back; the JobSpec, with its free-form `config` dict, is `request.spec`)
-        loop_config["dataset"]  what the driver learned of the dataset (`DatasetInfo.from_dict`)
-        loop_config["handoff"]  the attempt's handoff pointer (`service.contract.handoff.loop_token` reads
-                                its report token from it), or None
+    A function trainer (`trainer: "package.module:function"`) is run as Ray Train runs one: with the
+    spec's `config` if it takes an argument, else with none (`trainers.ray_function`, which also sees
+    its reports).
 
     It reads its shard with `ray.train.get_dataset_shard("train")` and must call `ray.train.report`
     the same number of times on every rank. Its module is imported on the workers only: it imports
@@ -384,7 +395,9 @@ def run_custom_trainer(trainer: str, loop_config: dict[str, Any]) -> Any:
     """
     startup.mark("loop_entered")
     startup.emit(f"rank {ray.train.get_context().get_world_rank()}")
-    return load_custom_trainer(trainer)(loop_config)
+    from trainers.ray_function import run_ray_function
+
+    run_ray_function(load_custom_trainer(trainer), loop_config)
 
 
 def load_custom_trainer(trainer: str) -> Callable[[dict[str, Any]], Any]:
@@ -496,7 +509,9 @@ def main() -> int:
         "job %d attempt %d %s in %.1f s, %s",
         request.job_id,
         request.attempt,
-        "stopped early (asked to)" if 0 < result.step < request.spec.max_steps else "done",
+        "stopped early (asked to)"
+        if request.spec.max_steps is not None and 0 < result.step < request.spec.max_steps
+        else "done",
         result.elapsed_s,
         # Ray Train knows the step only from a checkpoint's metrics: a custom trainer may report none.
         f"last checkpoint {result.checkpoint_uri} at step {result.step}"

@@ -157,7 +157,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         last_log = -math.inf
         parts.model.train()
         # 4. Exactly max_steps optimizer steps.
-        while state.step < spec.max_steps:
+        while state.step < spec.required_max_steps:
             step_started = time.perf_counter()
             telemetry.progress("data")
             epoch, batch = next(batches)
@@ -206,7 +206,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 detector.accept(step=step, grad_norm=grad_norm.item())
             # else on_anomaly is warn: the step counts, but its non-finite gradients are not applied.
             parts.lr_schedule.step()
-            state.advance(epoch=epoch, samples=spec.batch_size * world_size)
+            state.advance(epoch=epoch, samples=spec.required_batch_size * world_size)
             step_time_s = time.perf_counter() - step_started
 
             # 5. This rank's metrics.
@@ -214,7 +214,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 "loss": loss.item(),
                 "lr": float(lr),
                 "grad_norm": grad_norm.item(),
-                "samples_per_s": spec.batch_size / step_time_s,
+                "samples_per_s": spec.required_batch_size / step_time_s,
                 "step_time_s": step_time_s,
                 "data_wait_s": data_wait_s,
                 "forward_s": forward_s,
@@ -234,7 +234,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             now = time.monotonic()
             if rank == 0 and (now - last_log >= LOG_INTERVAL_S or state.step == spec.max_steps):
                 last_log = now
-                _log_progress(state.step, max_steps=spec.max_steps, values=values)
+                _log_progress(state.step, max_steps=spec.required_max_steps, values=values)
 
             # 6. Checkpoint (in the background unless it is the last); stop here when the control
             # plane asks, with a complete checkpoint.
@@ -275,7 +275,7 @@ class _Worker:
             rank=self.rank,
             world_size=self.world_size,
             collate_fn=self.trainer.build_collate(self.dataset.row_shape, uri=self.dataset.uri),
-            start=state.data_position(batch_size=self.request.spec.batch_size),
+            start=state.data_position(batch_size=self.request.spec.required_batch_size),
             device=self.device,
         )
         try:
@@ -294,7 +294,7 @@ class _Worker:
                 max_workers=spec.max_workers,
                 blocks=self.trainer.fsdp_blocks(model),
             )
-            optimizer, lr_schedule = self.trainer.build_optimizer(model, max_steps=spec.max_steps)
+            optimizer, lr_schedule = self.trainer.build_optimizer(model, max_steps=spec.required_max_steps)
             parts = TrainParts(model=model, optimizer=optimizer, lr_schedule=lr_schedule, extra=self.trainer)
             startup.mark("model_built")
             if resume is not None:

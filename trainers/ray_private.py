@@ -26,6 +26,13 @@ What each name is for:
   (`ray.train._internal.base_worker_group.BaseWorkerGroup`: `execute`, `execute_async`,
   `execute_single`, `execute_single_async`, `len`), which `trainers.backend` uses untyped (Ray's
   own annotations of its object refs do not agree with each other).
+- `ray.train.v2._internal.execution.train_fn_utils.{get_train_fn_utils, set_train_fn_utils}`: the
+  worker's holder of the object behind Ray Train's public functions (`ray.train.report`,
+  `get_checkpoint`, `get_dataset_shard`, `ray.train.collective.*` all call
+  `get_train_fn_utils().<name>(...)`; Ray sets it before the train function starts and documents it
+  as the place to change those functions' behaviour). `intercept_report` puts a proxy there for
+  the length of a block, whose `report` goes through a hook (`trainers.ray_function`) and whose
+  every other member is the original's.
 - `ray.train.torch.config`'s private helpers (`TORCH_SET_ENV_VARS`, `TORCH_SETUP_PROCESS_GROUP`,
   `TORCH_SHUTDOWN`), called by name on the workers by `trainers.backend`: that module imports
   torch, which the driver and the controller must not, so they are named here and imported only
@@ -38,15 +45,17 @@ of the repository off Ray's private paths.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from ray.train._internal.utils import get_address_and_port
 from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.exceptions import RayTrainError, UserExceptionWithTraceback
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+from ray.train.v2._internal.execution.train_fn_utils import get_train_fn_utils, set_train_fn_utils
 from ray.train.v2._internal.util import TrainingFramework
 from ray.train.v2.api import data_parallel_trainer
 from ray.train.v2.api.config import FailureConfig
@@ -60,9 +69,11 @@ __all__ = [
     "TORCH_SHUTDOWN",
     "ApiaryFailurePolicy",
     "ApiaryTrainer",
+    "ReportHook",
     "TrainingFramework",
     "get_address_and_port",
     "install_failure_policy",
+    "intercept_report",
     "is_ray_train_error",
     "unwrap_user_exception",
 ]
@@ -154,3 +165,51 @@ class ApiaryTrainer(DataParallelTrainer):
             if not isinstance(callback, PlacementGroupCleanerCallback)
             and not (isinstance(callback, DatasetsCallback) and not self.datasets)
         ]
+
+
+class ReportHook(Protocol):
+    """What `intercept_report` calls in place of Ray's `report`: `forward(metrics, checkpoint=...,
+    checkpoint_dir_name=..., **options)` is Ray's own, and `options` the other keyword arguments the
+    caller gave (`checkpoint_upload_mode`, ...)."""
+
+    def __call__(
+        self,
+        forward: Callable[..., None],
+        metrics: dict[str, Any],
+        checkpoint: Any,
+        checkpoint_dir_name: str | None,
+        options: dict[str, Any],
+    ) -> None: ...
+
+
+class _ReportProxy:
+    """Ray's train function utilities with `report` going through a hook; everything else is theirs."""
+
+    def __init__(self, original: Any, hook: ReportHook) -> None:
+        self._original = original
+        self._hook = hook
+
+    def report(
+        self,
+        metrics: dict[str, Any],
+        checkpoint: Any = None,
+        checkpoint_dir_name: str | None = None,
+        **options: Any,
+    ) -> None:
+        # `ray.train.report` passes every argument by keyword (ray/train/v2/api/train_fn_utils.py).
+        self._hook(self._original.report, metrics, checkpoint, checkpoint_dir_name, options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._original, name)
+
+
+@contextlib.contextmanager
+def intercept_report(hook: ReportHook) -> Iterator[None]:
+    """On a Ray Train worker: inside the block, every `ray.train.report(...)` (however the caller
+    imported it) calls `hook` with Ray's own report to forward to."""
+    original = get_train_fn_utils()
+    set_train_fn_utils(_ReportProxy(original, hook))
+    try:
+        yield
+    finally:
+        set_train_fn_utils(original)

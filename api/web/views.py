@@ -24,6 +24,7 @@ from urllib.parse import parse_qs, quote
 
 import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import Path as FastPath
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials
@@ -33,10 +34,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.routing import Match
 from starlette.types import Scope
 
-from api.deps import BEARER, COOKIE, TOKEN_COOKIE, AuthDep, JobsDep, get_current_user
+from api.deps import BEARER, COOKIE, TOKEN_COOKIE, AuthDep, JobsDep, SweepsDep, get_current_user
 from api.limits import JobId
 from api.routes.compare import JOB_LIST_PATTERN, parse_job_list
-from api.schemas import CheckpointPublic, ComparePublic, EventPublic, JobPublic
+from api.schemas import CheckpointPublic, ComparePublic, EventPublic, JobPublic, SweepPublic
 from service.auth import Auth, User
 from service.contract.errors import InvalidSpec, Unauthenticated
 from service.contract.spec import MAX_INT
@@ -48,7 +49,7 @@ HERE = Path(__file__).parent
 QUEUE_PAGE = 50  # queued jobs per queue on a page
 FINISHED_PAGE = 20
 RUNNING_SHOWN = 100
-FINISHED_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+FINISHED_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PRUNED)
 
 # Autoescape everything (Starlette's default only covers some file names).
 templates = Jinja2Templates(
@@ -189,9 +190,10 @@ def progress(job: Job) -> dict[str, Any]:
         "job": public,
         "workers": workers,
         "step": step,
-        "fraction": min(1.0, step / public.spec.max_steps),
+        # A function trainer without max_steps has no end to measure against.
+        "fraction": min(1.0, step / public.spec.max_steps) if public.spec.max_steps else None,
         "samples_per_s": public.spec.batch_size * workers / job.seconds_per_step
-        if job.seconds_per_step
+        if job.seconds_per_step and public.spec.batch_size is not None
         else None,
     }
 
@@ -295,6 +297,36 @@ def compare_page(
         "user": user,
     }
     return templates.TemplateResponse(request, "compare.html", context)
+
+
+@router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
+def sweep_page(
+    request: Request,
+    sweeps: SweepsDep,
+    user: PageUser,
+    sweep_id: Annotated[int, FastPath(ge=1, le=MAX_INT)],
+) -> HTMLResponse:
+    """A sweep (service.sweeps): its trials, the objective against each parameter, the trials' curves
+    with the best one drawn over the others, and Cancel."""
+    found = SweepPublic.build(sweeps.view(sweep_id))
+    data = {
+        "metric": found.objective["metric"],
+        "mode": found.objective["mode"],
+        "best": found.best.job if found.best is not None else None,
+        "params": sorted(found.spec.get("space", {})),
+        "trials": [
+            {
+                "job": t.job,
+                "trial": t.trial,
+                "state": t.state.value,
+                "objective": t.objective,
+                "params": t.params,
+            }
+            for t in found.trials
+        ],
+    }
+    context = {"sweep": found, "data": data, "colors": COLORS, "user": user}
+    return templates.TemplateResponse(request, "sweep.html", context)
 
 
 def install(app: FastAPI) -> None:

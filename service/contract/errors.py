@@ -17,6 +17,10 @@ class JobNotFound(ApiaryError):
     """No job has this id."""
 
 
+class SweepNotFound(ApiaryError):
+    """No sweep has this id."""
+
+
 class InvalidSpec(ApiaryError, ValueError):
     """The job spec cannot run as written."""
 

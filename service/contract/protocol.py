@@ -116,19 +116,27 @@ def find_module(name: str) -> ModuleSpec | None:
     """The spec of module `name` as the path finders see it, found without importing any package (the
     API checks a custom trainer with it, and so does the job's driver: neither runs the trainer's code)."""
     found: ModuleSpec | None = None
-    path: list[str] | None = None
+    path: list[str] | None = None  # where the next part is looked for (None: sys.path)
     parts = name.split(".")
-    for depth in range(1, len(parts) + 1):
-        if depth > 1:
-            if found is None or found.submodule_search_locations is None:
-                return None  # a parent that is a plain module (or missing) has no submodules
-            path = list(found.submodule_search_locations)
+    for depth, part in enumerate(parts, start=1):
+        full = ".".join(parts[:depth])
         try:
-            found = PathFinder.find_spec(".".join(parts[:depth]), path)
+            found = PathFinder.find_spec(full, path)
+        except KeyError:
+            # A namespace package (no __init__.py) below the top level: the path finder asks for its
+            # parent in sys.modules, which nothing imported. Its folders are what follows.
+            found = ModuleSpec(full, None, is_package=True)
         except (ImportError, ValueError):
             return None
         if found is None:
             return None
+        if depth < len(parts):
+            if found.submodule_search_locations is None:
+                return None  # a plain module has no submodules
+            if found.origin is None:  # a namespace package: its folders of that name on the path
+                path = [str(Path(entry, part)) for entry in path or sys.path if Path(entry, part).is_dir()]
+            else:
+                path = list(found.submodule_search_locations)
     return found
 
 

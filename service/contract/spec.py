@@ -393,9 +393,30 @@ class JobSpec(Strict):
         description="bf16: with ddp, autocast (CPU too); with fsdp, FSDP2's mixed precision (bf16 "
         "parameters for compute, fp32 gradient reduction and fp32 sharded parameters and optimizer state).",
     )
-    dataset: DatasetSpec
-    max_steps: Int = Field(le=MAX_INT, ge=1)
-    batch_size: Int = Field(le=MAX_INT, ge=1, description="Samples per worker per step.")
+    # Required for a recipe (the built-ins too: checked here; a recipe of a module at submission and on
+    # the job's driver, where its kind is known); a function trainer may read its own data and choose
+    # its own end (`service.contract.trainer_kind.kind_refusal`).
+    dataset: DatasetSpec | None = Field(
+        default=None,
+        validate_default=True,
+        description="The training data (required for recipes and the built-ins; a function trainer reads "
+        "it with ray.train.get_dataset_shard('train')).",
+    )
+    max_steps: Int | None = Field(
+        default=None,
+        validate_default=True,
+        le=MAX_INT,
+        ge=1,
+        description="Optimizer steps to train (required for recipes and the built-ins; a function "
+        "trainer ends when it returns, and its progress is counted in reports).",
+    )
+    batch_size: Int | None = Field(
+        default=None,
+        validate_default=True,
+        le=MAX_INT,
+        ge=1,
+        description="Samples per worker per step (required for recipes and the built-ins).",
+    )
     seed: Int = Field(default=0, le=MAX_INT, ge=0)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     max_failures: Int = Field(default=0, ge=0, le=100)
@@ -439,6 +460,14 @@ class JobSpec(Strict):
         if trainer not in BUILTIN_TRAINERS and not _IMPORT_PATH.fullmatch(trainer):
             raise ValueError(f"must be one of {', '.join(BUILTIN_TRAINERS)} or 'package.module:function'")
         return trainer
+
+    @field_validator("dataset", "max_steps", "batch_size")
+    @classmethod
+    def _required_by_builtins(cls, value: Any, info: ValidationInfo) -> Any:
+        trainer = info.data.get("trainer")
+        if value is None and trainer in BUILTIN_TRAINERS:
+            raise ValueError(f"required for trainer {trainer} (a recipe)")
+        return value
 
     @field_validator("eval")
     @classmethod
@@ -502,6 +531,26 @@ class JobSpec(Strict):
             return schema.model_validate(config).model_dump()
         except ValueError as err:
             raise ValueError(_first_error(err)) from None
+
+    # A recipe's run needs these three; the spec (built-ins), the API and the job's driver (a recipe of
+    # a module) refuse a recipe's spec without them, so a recipe's code reads them through these.
+    @property
+    def required_dataset(self) -> DatasetSpec:
+        if self.dataset is None:
+            raise ValueError(f"dataset: required for trainer {self.trainer} (a recipe)")
+        return self.dataset
+
+    @property
+    def required_max_steps(self) -> int:
+        if self.max_steps is None:
+            raise ValueError(f"max_steps: required for trainer {self.trainer} (a recipe)")
+        return self.max_steps
+
+    @property
+    def required_batch_size(self) -> int:
+        if self.batch_size is None:
+            raise ValueError(f"batch_size: required for trainer {self.trainer} (a recipe)")
+        return self.batch_size
 
     @property
     def uses_gpu(self) -> bool:

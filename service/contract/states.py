@@ -56,13 +56,16 @@ class JobState(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    # A sweep's trial stopped early (with a checkpoint) because it lost at a rung (service.sweeps);
+    # `POST /jobs/{id}/resume` queues it again from that checkpoint.
+    PRUNED = "pruned"
 
     @property
     def is_terminal(self) -> bool:
         return self in TERMINAL_STATES
 
 
-TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PRUNED})
 
 
 class StopReason(StrEnum):
@@ -75,6 +78,8 @@ class StopReason(StrEnum):
     # Its gang no longer fits the cluster's alive nodes (a node left): stopped at once (its group is
     # broken, no checkpoint can be taken), requeued, not counted; it resumes when capacity is back.
     LOST_CAPACITY = "lost_capacity"
+    # A sweep's trial that lost at a rung (service.sweeps): pruned once stopped.
+    PRUNED = "pruned"
 
 
 ALLOWED: dict[JobState, frozenset[JobState]] = {
@@ -105,11 +110,13 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
         }
     ),
     JobState.PREEMPTING: frozenset(
-        {JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+        {JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PRUNED}
     ),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
+    # resumed by hand (`apiary resume`): back in its queue, from its checkpoint.
+    JobState.PRUNED: frozenset({JobState.QUEUED}),
 }
 
 #: States whose gang holds cluster resources.

@@ -14,17 +14,29 @@ taken at their word. A name bound any other way (an assignment, an import, a def
 None and the job's driver decides. A name the source certainly does not define raises
 `TrainerNotDefined`, so that a submission can be refused at once.
 
+What each kind honors of the spec (`kind_refusal`; the API refuses the rest with a 422 naming the
+field when it knows the kind at submission, else the job's driver fails the job with one line):
+- a recipe: everything; it needs `dataset`, `max_steps` and `batch_size`;
+- an own loop: `eval` is refused (it evaluates itself and reports the metrics with `ctx.report`);
+- a Ray Train function prepares its own model and chooses when to checkpoint: `strategy: fsdp`,
+  `precision: bf16`, an `on_anomaly` other than the default, `eval`, and the checkpoint cadence
+  (`checkpoint.every_steps`, `every_s`, `auto`, `async`) are refused; `checkpoint.keep_last` and
+  `keep_best` are honored (retention of the checkpoints it reports), and `dataset`, `max_steps`
+  and `batch_size` are optional (`config` carries what the function needs).
+
 Like the rest of `service.contract`, this module imports neither Ray nor torch nor any trainer.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Set
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
 from service.contract.protocol import find_module
-from service.contract.spec import BUILTIN_TRAINERS
+from service.contract.spec import BUILTIN_TRAINERS, AnomalyAction, JobSpec, Strategy
 
 # The annotation of a loop's first parameter, by its last dotted name (`TrainContext`,
 # `apiary.TrainContext`, `"trainers.context.TrainContext"`).
@@ -131,3 +143,60 @@ def _first_annotation(function: ast.FunctionDef) -> str | None:
         case ast.Name(id=last) | ast.Attribute(attr=last):
             return last
     return None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A field of a spec that its trainer's kind cannot honor, and why."""
+
+    field: str
+    message: str
+
+
+def kind_refusal(spec: JobSpec, kind: TrainerKind | None, *, given: Set[str] = frozenset()) -> Refusal | None:
+    """The first field of `spec` that a trainer of `kind` cannot honor (None: it honors them all, or
+    the kind is not known).
+
+    `given`: the fields the submitter wrote (dotted, e.g. `checkpoint.async`), known at the API only;
+    a field refused even at its default value (`checkpoint.async`) is refused only when given."""
+    if kind is TrainerKind.RECIPE:
+        for name in ("dataset", "max_steps", "batch_size"):
+            if getattr(spec, name) is None:
+                return Refusal(name, f"required for trainer {spec.trainer} (a recipe)")
+        return None
+    if kind is TrainerKind.LOOP:
+        if spec.eval is not None:
+            return Refusal("eval", "an own loop evaluates itself: report its eval metrics with ctx.report")
+        return None
+    if kind is not TrainerKind.RAY_FUNCTION:
+        return None
+    own = "a Ray Train function prepares its own model"
+    when = "a Ray Train function checkpoints when it calls ray.train.report(..., checkpoint=...)"
+    checkpoint = spec.checkpoint
+    refused = [
+        ("strategy", spec.strategy is Strategy.FSDP, f"{own}: strategy fsdp cannot apply (wrap it yourself)"),
+        (
+            "precision",
+            spec.precision != "fp32",
+            f"{own}: precision {spec.precision} cannot apply (autocast it yourself)",
+        ),
+        (
+            "on_anomaly",
+            spec.on_anomaly is not AnomalyAction.ROLLBACK,
+            "anomaly detection runs in Apiary's own loop (recipes), not in a Ray Train function",
+        ),
+        (
+            "eval",
+            getattr(spec, "eval", None) is not None,
+            "eval runs in Apiary's own loop (recipes): report eval metrics yourself",
+        ),
+        ("checkpoint.every_steps", checkpoint.every_steps is not None, when),
+        ("checkpoint.every_s", checkpoint.every_s is not None, when),
+        ("checkpoint.auto", checkpoint.auto, when),
+        (
+            "checkpoint.async",
+            not checkpoint.async_ or "checkpoint.async" in given,
+            f"{when} (its upload mode is Ray's checkpoint_upload_mode)",
+        ),
+    ]
+    return next((Refusal(name, message) for name, wrong, message in refused if wrong), None)

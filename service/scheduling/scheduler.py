@@ -116,7 +116,7 @@ class Scheduler:
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.is_leader = False
         self._templates: dict[int, Gang] = {}  # what a job's (immutable) spec says of its gang
-        self._max_steps: dict[int, int] = {}
+        self._max_steps: dict[int, int | None] = {}
         self._unplaceable_since: dict[int, float] = {}  # started jobs whose gang fits no more, since
         # What the log last said of other Ray users' use and of Ray's pending demand (said on change).
         self._others_said = f"other Ray users hold {format_resources({})}"
@@ -393,12 +393,25 @@ class Scheduler:
         spec = JobSpec.model_validate(job.spec)
         step = job.latest_checkpoint_step
         where = f"checkpoint at step {step}" if step is not None else "no checkpoint"
+        steps_lost = max(0, (job.latest_step or 0) - (step or 0))
         if lost is not None:
-            steps_lost = max(0, (job.latest_step or 0) - (step or 0))
             where = f"{lost}: {where}, {steps_lost} step(s) lost"
-        if step is not None and step >= spec.max_steps:
+        elif steps_lost:
+            # A Ray Train function stops at its next report, which may carry no checkpoint.
+            where = f"{where}, {steps_lost} step(s) after it lost"
+        if step is not None and spec.max_steps is not None and step >= spec.max_steps:
             repository.transition(
                 session, job, JobState.SUCCEEDED, actor="reconciler", reason=f"reached max_steps ({where})"
+            )
+        elif job.stop_requested == StopReason.PRUNED:
+            repository.transition(
+                session,
+                job,
+                JobState.PRUNED,
+                actor="sweep",
+                reason=f"{job.message or 'pruned by its sweep'} ({where})",
+                stop_requested=None,
+                stop_requested_at=None,
             )
         elif job.stop_requested == StopReason.MAX_RUNTIME:
             repository.transition(
@@ -712,8 +725,9 @@ class Scheduler:
         ends = []
         if gang.max_runtime_s is not None:
             ends.append((started_at if started_at is not None else now) + gang.max_runtime_s)
-        if row.seconds_per_step and row.latest_step is not None:
-            steps_left = self._max_steps[row.id] - row.latest_step
+        max_steps = self._max_steps[row.id]
+        if row.seconds_per_step and row.latest_step is not None and max_steps is not None:
+            steps_left = max_steps - row.latest_step
             ends.append(now + time_to_finish_s(steps_left=steps_left, step_time_s=row.seconds_per_step))
         return min(ends) if ends else None
 

@@ -42,7 +42,9 @@ import numpy as np
 from service.capacity import ClusterSnapshot, Gang, NodeCapacity, fits_empty_cluster
 from service.contract.queues import DEFAULT_QUEUES, QueuesConfig
 from service.scheduling.estimates import SIZE_CLASSES, History, pace_error, simulated_remaining_s, size_class
-from service.scheduling.policy import POLICIES, RULES, Rules, decayed_usage, dominant_share
+from service.scheduling.policy import POLICIES as BASE_POLICIES
+from service.scheduling.policy import RULES, Policy, Rules, decayed_usage, dominant_share
+from service.scheduling.share_first import decide_share_first
 
 COLUMNS = (
     "job_id",
@@ -58,6 +60,10 @@ COLUMNS = (
     "max_runtime_s",
 )
 END, STOP, ARRIVAL = 0, 1, 2
+
+
+# The policies the simulator runs: the live two-queue policy, the baselines and share-first.
+POLICIES: dict[str, Policy] = {**BASE_POLICIES, "share-first": decide_share_first}
 
 
 class TraceError(ValueError):
@@ -740,6 +746,8 @@ class TraceShape:
     full_scale_cap_s: float = 24 * 3600
     # A job declares a max_runtime_s this many times its true duration (users overestimate), at most its cap.
     runtime_overestimate: tuple[float, float] = (1.2, 3.0)
+    # Whether jobs declare a max_runtime_s at all (the published traces have none).
+    declare_runtimes: bool = True
     checkpoint_every_s: tuple[float, float] = (600, 1800)  # research, full-scale
     owners: int = 20
     # Arrivals follow a daily cycle: the rate swings by this fraction around its mean.
@@ -779,7 +787,9 @@ def generate(count: int, *, seed: int, shape: TraceShape = TraceShape()) -> list
                 "gpu_per_worker": float(per_worker),
                 "duration_s": round(duration, 1),
                 "checkpoint_every_s": shape.checkpoint_every_s[0 if is_research else 1],
-                "max_runtime_s": round(min(cap, duration * rng.uniform(low, high)), 0),
+                "max_runtime_s": round(min(cap, duration * rng.uniform(low, high)), 0)
+                if shape.declare_runtimes
+                else None,
             }
         )
     work = sum(d["num_workers"] * d["gpu_per_worker"] * d["duration_s"] for d in drafts)

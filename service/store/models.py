@@ -117,6 +117,11 @@ class Job(Base):
     # the
     # token. The token itself is only in the attempt's handoff folder in storage.
     report_token_hash: Mapped[str | None] = mapped_column(String(64))
+    # A sweep's trial (service.sweeps): its sweep, its number there (unique: no trial starts twice) and
+    # the point of the search space it runs.
+    sweep_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("sweeps.id", ondelete="SET NULL"))
+    trial: Mapped[int | None] = mapped_column(BigInteger)
+    trial_params: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan"
@@ -125,7 +130,26 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_state_queue_priority", "state", "queue", "priority"),
         Index("ix_jobs_ray_submission_id", "ray_submission_id", unique=True),
+        Index("ix_jobs_sweep_trial", "sweep_id", "trial", unique=True),
     )
+
+
+class Sweep(Base):
+    """A search over a base job's config (service.contract.sweep); its trials are jobs (`Job.sweep_id`)."""
+
+    __tablename__ = "sweeps"
+
+    id: Mapped[int] = mapped_column(ID, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    owner: Mapped[str] = mapped_column(String(128))
+    state: Mapped[str] = mapped_column(String(16))  # running | succeeded | cancelled
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    best_job_id: Mapped[int | None] = mapped_column(BigInteger)
+    message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_sweeps_state", "state"),)
 
 
 class JobEvent(Base):

@@ -14,7 +14,13 @@ from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, aliased
 
-from service.contract.errors import InvalidTransition, JobNotFound, LastAdminToken, TokenNotFound
+from service.contract.errors import (
+    InvalidTransition,
+    JobNotFound,
+    LastAdminToken,
+    SweepNotFound,
+    TokenNotFound,
+)
 from service.contract.protocol import MetricPoint, RankStatus
 from service.contract.spec import MAX_INT, JobSpec
 from service.contract.states import ACTIVE_STATES, JobState, StopReason, can_transition
@@ -30,13 +36,25 @@ from service.store.models import (
     Metric,
     OwnerUsage,
     SchedulerLease,
+    Sweep,
     utcnow,
 )
 
 logger = logging.getLogger(__name__)
 
 
-def create_job(session: Session, *, spec: JobSpec, owner: str, actor: str = "api") -> Job:
+def create_job(
+    session: Session,
+    *,
+    spec: JobSpec,
+    owner: str,
+    actor: str = "api",
+    sweep_id: int | None = None,
+    trial: int | None = None,
+    trial_params: dict[str, Any] | None = None,
+) -> Job:
+    """A queued job; a sweep's trial says its sweep, number and point (unique per sweep: a second
+    trial with the same number fails to commit)."""
     job = Job(
         name=spec.name,
         queue=spec.queue.value,
@@ -45,6 +63,9 @@ def create_job(session: Session, *, spec: JobSpec, owner: str, actor: str = "api
         state=JobState.QUEUED,
         spec=spec.model_dump(mode="json"),
         attempt=0,
+        sweep_id=sweep_id,
+        trial=trial,
+        trial_params=trial_params,
     )
     session.add(job)
     session.flush()
@@ -314,7 +335,7 @@ def transition(
         job.started_at = job.started_at or now
     if target.is_terminal:
         job.finished_at = now
-    if target in (JobState.FAILED, JobState.CANCELLED):
+    if target in (JobState.FAILED, JobState.CANCELLED, JobState.PRUNED):
         job.message = reason
     session.add(JobEvent(job_id=job.id, from_state=current, to_state=target, actor=actor, reason=reason))
     session.flush()
@@ -884,3 +905,45 @@ def revoke_token(session: Session, token_id: int) -> ApiToken:
             extra={"action": "token_revoked", "token": {"id": token.id, "user": token.user_name}},
         )
     return token
+
+
+# -- sweeps (service.sweeps) ---------------------------------------------------------------------------
+
+
+def create_sweep(session: Session, *, name: str, owner: str, spec: dict[str, Any]) -> Sweep:
+    sweep = Sweep(name=name, owner=owner, state="running", spec=spec)
+    session.add(sweep)
+    session.flush()
+    logger.info("sweep created", extra={"action": "sweep_created", "sweep": {"id": sweep.id, "name": name}})
+    return sweep
+
+
+def get_sweep(session: Session, sweep_id: int, *, for_update: bool = False) -> Sweep:
+    query = select(Sweep).where(Sweep.id == sweep_id)
+    sweep = session.scalar(query.with_for_update() if for_update else query)
+    if sweep is None:
+        raise SweepNotFound(f"sweep {sweep_id} does not exist")
+    return sweep
+
+
+def list_sweeps(session: Session, *, states: Sequence[str] = (), limit: int = 100) -> list[Sweep]:
+    query = select(Sweep)
+    if states:
+        query = query.where(Sweep.state.in_(states))
+    return list(session.scalars(query.order_by(Sweep.id.desc()).limit(limit)))
+
+
+def trials_of(session: Session, sweep_id: int) -> list[Job]:
+    """A sweep's trials by number."""
+    return list(session.scalars(select(Job).where(Job.sweep_id == sweep_id).order_by(Job.trial)))
+
+
+def metric_series(session: Session, job_id: int, metric: str, *, rank: int = 0) -> list[tuple[int, float]]:
+    """(step, value) of one metric of a rank, for the steps that count (the latest attempt and segment
+    that trained each step), by step."""
+    query = MetricsQuery(rank=rank, limit=100_000)
+    return [
+        (point.step, float(point.values[metric]))
+        for point in list_metrics(session, job_id, query)
+        if isinstance(point.values.get(metric), int | float)
+    ]

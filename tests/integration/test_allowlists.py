@@ -228,3 +228,23 @@ def test_apiarys_own_folders_are_never_datasets_even_under_a_root(
 def test_the_default_data_root_is_the_data_dirs_datasets_folder(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path / "data")
     assert settings.resolved_data_roots == (str(tmp_path / "data" / "datasets"), "s3://")
+
+
+def test_what_a_ray_function_cannot_honor_is_refused_by_name(service: Service, spec: dict[str, Any]) -> None:
+    """A Ray Train function (known from its module's source at submission) prepares its own model and
+    chooses when to checkpoint: those fields are refused, naming the field; its defaults pass, and it
+    needs no dataset, max_steps or batch_size."""
+    function = {**spec, "trainer": "tests.support.custom_trainer:train", "num_workers": 1}
+    for fields, field in (
+        ({"strategy": "fsdp"}, "strategy"),
+        ({"precision": "bf16"}, "precision"),
+        ({"on_anomaly": "warn"}, "on_anomaly"),
+        ({"checkpoint": {"every_steps": 5}}, "checkpoint.every_steps"),
+        ({"checkpoint": {"async": True}}, "checkpoint.async"),
+    ):
+        message = refused(service, {**function, **fields}, field)
+        assert message.startswith(f"{field}: "), message
+    bare = {
+        key: value for key, value in function.items() if key not in ("dataset", "max_steps", "batch_size")
+    }
+    assert service.submit({**bare, "checkpoint": {"keep_last": 2}})["state"] == "queued"

@@ -18,6 +18,8 @@ import pytest
 from api.client import ApiaryClient, ApiaryInvalid, ApiaryTooLarge
 from service.contract.code import pack
 from service.contract.errors import CodeTooLarge
+from service.contract.storage import resolve_uri
+from tests.conftest import S3
 from tests.integration.conftest import Service
 
 TRAIN = "import ray.train\n\n\ndef train(config):\n    ray.train.report({'loss': 1.0})\n"
@@ -187,3 +189,23 @@ def test_the_code_is_its_owners_and_an_admins_to_read_and_only_its_uploader_may_
     # Uploaded by bob too, the same bytes: his own now, stored once.
     assert put(bob, package.data).status_code == 201
     assert bob.post("/jobs", json={**spec, "code": package.digest}).status_code == 201
+
+
+def test_on_s3_storage_the_package_is_stored_once_and_each_replica_fetches_it_once(
+    start_service: Callable[..., Service], spec: dict[str, Any], s3: S3, tmp_path: Path
+) -> None:
+    service = start_service(storage_uri=s3.checkpoints_uri, s3_endpoint_url=s3.endpoint_url)
+    package = pack(folder(tmp_path / "code"))
+    assert put(service.http, package.data).status_code == 201
+    stored = f"{s3.checkpoints_uri}/_code/{package.sha256}.zip"
+    path, filesystem = resolve_uri(stored, s3_endpoint_url=s3.endpoint_url)
+    with filesystem.open_input_stream(path) as stream:
+        assert stream.read() == package.data
+    job = service.submit({**spec, "code": package.digest})
+    cache = service.runtime.settings.data_dir / "code-cache"
+    assert sorted(p.name for p in cache.iterdir()) == [f"{package.sha256}.zip"]  # the upload, kept
+    (cache / f"{package.sha256}.zip").unlink()  # as on a replica that did not take the upload
+    service.tick()
+    assert service.backend.working_dir == str(cache / f"{package.sha256}.zip")
+    assert Path(service.backend.working_dir).read_bytes() == package.data
+    assert service.http.get(f"/jobs/{job['id']}/code").content == package.data

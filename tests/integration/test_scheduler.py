@@ -308,3 +308,31 @@ def test_an_admitted_gang_that_lost_a_node_before_it_ran_goes_back_to_the_queue(
     assert service.backend.stopped == [submission]
     reason = service.http.get(f"/jobs/{job['id']}/events").json()["data"][-1]["reason"]
     assert reason.startswith("capacity lost: its gang no longer fits") and "requeued in its place" in reason
+
+
+def test_a_ray_function_stopped_at_a_report_without_a_checkpoint_counts_the_steps_it_lost(
+    start_service: Callable[..., Service], spec: dict[str, Any]
+) -> None:
+    """A Ray Train function stops at its next report after the request, which may carry no checkpoint:
+    requeued, with the steps after its latest checkpoint recorded as lost. It has no max_steps."""
+    service = start_service(queues=EVEN)
+    function = {
+        key: value for key, value in spec.items() if key not in ("dataset", "max_steps", "batch_size")
+    }
+    job = service.submit({**function, "trainer": "tests.support.custom_trainer:train"})
+    run_to_running(service, [job["id"]])
+    points = [
+        {"step": step, "rank": 0, "time": time.time(), "values": {"loss": 1.0 / step}} for step in (1, 2, 3)
+    ]
+    checkpoint = {"step": 2, "uri": service.checkpoint_uri(job["id"], "checkpoint_00000002")}
+    assert service.report(job["id"], {"attempt": 1, "points": points, "checkpoint": checkpoint}).is_success
+    assert service.http.post(f"/jobs/{job['id']}/preempt").json()["state"] == "preempting"
+    service.backend.statuses[service.backend.submission_of(job["id"])] = RayJobStatus.SUCCEEDED
+    service.tick()
+    job = service.job(job["id"])
+    assert job["state"] in ("queued", "admitted") and job["preemptions"] == 1
+    reasons = [event["reason"] for event in service.http.get(f"/jobs/{job['id']}/events").json()["data"]]
+    assert any(
+        "requeued in its place, resumes from its checkpoint at step 2, 1 step(s) after it lost" in reason
+        for reason in reasons
+    ), reasons

@@ -1,8 +1,9 @@
 """Recipes as a user would write them (`trainer: tests.support.recipes:CountingLM`), on the token parquet
-format of the built-in `gpt` (its column check and collate are reused)."""
+format of the built-in `gpt` (its collate is reused), and the examples' recipes paced for tests."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from examples.hf_gpt2.hf_gpt2 import GPT2LM
 from trainers.recipe import Collate, Recipe, RowShape, first_row_length, require_list_column
 from trainers.recipes import GPTCollate
 
@@ -85,3 +87,12 @@ def _constant(step: int) -> float:
 
 class NotARecipe:
     """A class that is not a `Recipe`: the driver refuses it."""
+
+
+class PacedGPT2LM(GPT2LM):
+    """The Hugging Face GPT-2 example (`examples/hf_gpt2`), at most 20 steps a second: a test's
+    disturbance lands mid-run on any machine. The pause changes no number."""
+
+    def loss(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        time.sleep(0.05)
+        return super().loss(model, batch)

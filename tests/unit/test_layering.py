@@ -74,6 +74,21 @@ def test_the_trainers_import_only_the_contract_and_the_formulas() -> None:
         assert all(shared(name) for name in names if name.startswith("service.")), module
 
 
+# What examples/ may take of Apiary's trainers: the public names (the recipe protocol, the built-in
+# recipes' helpers, the training context); `apiary` re-exports them.
+PUBLIC_TRAINER_MODULES = ("trainers.recipe", "trainers.recipes", "trainers.context")
+
+
+def test_the_examples_import_what_a_users_code_may() -> None:
+    """examples/ is code a user could have written: Ray, torch, Apiary's public trainer names and the
+    shared contract (its errors), never the API or the service's domain."""
+    for module, names in imports_of("examples").items():
+        assert "api" not in packages(names), module
+        assert all(shared(name) for name in names if name.startswith("service.")), module
+        trainers = {name for name in names if in_room(name, "trainers")}
+        assert trainers <= set(PUBLIC_TRAINER_MODULES), (module, trainers)
+
+
 @pytest.mark.parametrize("room", sorted(LOWER_ROOMS))
 def test_a_lower_room_imports_only_the_rooms_below_it(room: str) -> None:
     allowed = (room, *LOWER_ROOMS[room])
@@ -174,7 +189,7 @@ def test_only_the_door_uses_rays_private_api() -> None:
     name would break unseen when Ray is upgraded."""
     uses = {
         str(path.relative_to(ROOT)): ray_private_uses(path)
-        for package in ("api", "service", "trainers", "benchmarks", "tests", "migrations")
+        for package in ("api", "service", "trainers", "benchmarks", "tests", "migrations", "examples")
         for path in sorted((ROOT / package).rglob("*.py"))
         if str(path.relative_to(ROOT)) not in RAY_DOOR
     }

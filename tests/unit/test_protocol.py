@@ -34,6 +34,7 @@ from service.contract.protocol import (
     entrypoint,
     error_line,
     failure_from_logs,
+    find_module,
     launch_env,
 )
 from tests.support.jobs import make_spec
@@ -139,3 +140,17 @@ def test_code_modules_are_the_service_and_trainers_packages_of_this_checkout() -
     assert folders == [Path(service.__file__).parent, Path(trainers.__file__).parent]
     assert all((folder / "__init__.py").is_file() for folder in folders)
     assert entrypoint("/opt/nodes/python") == "/opt/nodes/python -P -m trainers.launch"
+
+
+def test_find_module_finds_a_module_of_a_namespace_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder without `__init__.py` (a namespace package, as a user's code folder often is) holds
+    modules too; finding one imports nothing."""
+    (tmp_path / "nspkg" / "inner").mkdir(parents=True)
+    (tmp_path / "nspkg" / "inner" / "train.py").write_text("def train_func(config): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = find_module("nspkg.inner.train")
+    assert found is not None and found.origin == str(tmp_path / "nspkg" / "inner" / "train.py")
+    assert find_module("nspkg.inner.missing") is None
+    assert "nspkg" not in sys.modules

@@ -21,6 +21,11 @@ from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.exceptions import UserExceptionWithTraceback, WorkerHealthCheckFailedError
 from ray.train.v2._internal.execution.failure_handling import FailureDecision
+from ray.train.v2._internal.execution.train_fn_utils import (
+    TrainFnUtils,
+    get_train_fn_utils,
+    set_train_fn_utils,
+)
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
 from ray.train.v2.api import data_parallel_trainer
 from ray.train.v2.api.config import FailureConfig
@@ -40,6 +45,7 @@ from trainers.ray_private import (
     TrainingFramework,
     get_address_and_port,
     install_failure_policy,
+    intercept_report,
     is_ray_train_error,
     unwrap_user_exception,
 )
@@ -168,3 +174,62 @@ def test_the_torch_config_helpers_take_the_arguments_the_backend_passes(
     parameters = inspect.signature(getattr(config, name)).parameters
     required = {key for key, value in parameters.items() if value.default is inspect.Parameter.empty}
     assert required <= arguments <= set(parameters), list(parameters)
+
+
+def test_every_public_train_function_goes_through_the_replaceable_utilities() -> None:
+    """`intercept_report` replaces the worker's train function utilities: it sees every report only
+    while `ray.train.report` looks them up at each call, and passes Ray's arguments by keyword."""
+    report = inspect.unwrap(ray.train.report)
+    assert any(
+        instruction.opname == "LOAD_GLOBAL" and instruction.argval == "get_train_fn_utils"
+        for instruction in dis.get_instructions(report)
+    ), "ray.train.report no longer calls get_train_fn_utils()"
+    assert list(inspect.signature(TrainFnUtils.report).parameters)[1:4] == [
+        "metrics",
+        "checkpoint",
+        "checkpoint_dir_name",
+    ]
+
+
+def test_intercept_report_hooks_report_and_leaves_the_rest_for_the_block() -> None:
+    class Utilities:
+        def __init__(self) -> None:
+            self.reports: list[tuple[Any, ...]] = []
+
+        def report(
+            self,
+            metrics: dict[str, Any],
+            checkpoint: Any = None,
+            checkpoint_dir_name: Any = None,
+            **options: Any,
+        ) -> None:
+            self.reports.append((metrics, checkpoint, checkpoint_dir_name, options))
+
+        def broadcast_from_rank_zero(self, data: Any) -> Any:
+            return ("broadcast", data)
+
+    original = Utilities()
+    seen: list[dict[str, Any]] = []
+
+    def hook(
+        forward: Any,
+        metrics: dict[str, Any],
+        checkpoint: Any,
+        checkpoint_dir_name: Any,
+        options: dict[str, Any],
+    ) -> None:
+        seen.append(metrics)
+        forward(metrics, checkpoint=checkpoint, checkpoint_dir_name="named", **options)
+
+    set_train_fn_utils(original)
+    try:
+        with intercept_report(hook):
+            get_train_fn_utils().report(
+                metrics={"loss": 1.0}, checkpoint=None, checkpoint_dir_name=None, validation=False
+            )
+            assert get_train_fn_utils().broadcast_from_rank_zero(3) == ("broadcast", 3)
+        assert get_train_fn_utils() is original
+    finally:
+        set_train_fn_utils(None)
+    assert seen == [{"loss": 1.0}]
+    assert original.reports == [({"loss": 1.0}, None, "named", {"validation": False})]

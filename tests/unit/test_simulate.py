@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 
 from api.cli import app
 from service.contract.queues import QueuesConfig
-from service.scheduling.policy import POLICIES, Decisions, decide
+from service.scheduling.policy import Decisions, decide
 from service.scheduling.simulate import (
+    POLICIES,
     SimCosts,
     TraceError,
     TraceJob,
@@ -107,7 +108,7 @@ def test_a_victim_told_to_stop_at_its_checkpoint_loses_only_its_restart(
     assert result.makespan_s == pytest.approx(1300 + 120 + 2400)
 
 
-@pytest.mark.parametrize("policy", ["two-queue", "fifo", "greedy"])
+@pytest.mark.parametrize("policy", ["two-queue", "fifo", "greedy", "share-first"])
 def test_invariants_hold_on_a_generated_trace(policy: str) -> None:
     """No node over capacity and every gang whole at every event; busy = useful + lost at the end."""
     jobs = generate(300, seed=5, shape=TraceShape(nodes=4))

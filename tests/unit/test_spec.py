@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -133,6 +134,18 @@ def test_elastic_errors_say_what_is_wrong() -> None:
         JobSpec.model_validate(valid(num_workers={"min": 3, "max": 2}))
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         JobSpec.model_validate(valid(num_workers=0))
+
+
+def test_a_function_trainer_may_leave_out_dataset_steps_and_batch_size() -> None:
+    """A Ray Train function reads its own data and ends when it returns; a built-in (a recipe) cannot."""
+    spec = JobSpec.model_validate({"name": "fn", "trainer": "lab.train:train_func", "num_workers": 2})
+    assert spec.dataset is None and spec.max_steps is None and spec.batch_size is None
+    with pytest.raises(ValueError, match=re.escape("max_steps: required for trainer lab.train:train_func")):
+        _ = spec.required_max_steps
+    for field in ("dataset", "max_steps", "batch_size"):
+        builtin = valid()
+        del builtin[field]
+        assert error_fields(builtin) == [field]
 
 
 def test_an_eval_section_is_a_dataset_and_a_cadence() -> None:

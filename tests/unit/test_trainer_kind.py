@@ -5,10 +5,19 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from service.contract.trainer_kind import TrainerKind, TrainerNotDefined, kind_of, kind_of_trainer
+from service.contract.spec import JobSpec
+from service.contract.trainer_kind import (
+    Refusal,
+    TrainerKind,
+    TrainerNotDefined,
+    kind_of,
+    kind_of_trainer,
+    kind_refusal,
+)
 
 
 def kind(source: str, name: str = "Train") -> TrainerKind | None:
@@ -119,3 +128,51 @@ def test_an_unreadable_module_is_left_to_the_driver(tmp_path: Path, monkeypatch:
 def test_the_repository_custom_trainers() -> None:
     # tests.support.custom_trainer: functions of Apiary's launch request, the old custom-trainer form.
     assert kind_of_trainer("tests.support.custom_trainer:train") is TrainerKind.RAY_FUNCTION
+
+
+def ray_function_spec(**fields: Any) -> JobSpec:
+    return JobSpec.model_validate(
+        {"name": "fn", "trainer": "lab.train:train_func", "num_workers": 2, **fields}
+    )
+
+
+def test_a_ray_function_with_the_defaults_is_accepted() -> None:
+    spec = ray_function_spec(checkpoint={"keep_last": 2, "keep_best": {"metric": "loss", "mode": "min"}})
+    assert kind_refusal(spec, TrainerKind.RAY_FUNCTION) is None
+    assert kind_refusal(spec, None) is None  # the kind is not known: the driver decides
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"strategy": "fsdp"}, "strategy"),
+        ({"precision": "bf16"}, "precision"),
+        ({"on_anomaly": "stop"}, "on_anomaly"),
+        ({"checkpoint": {"every_steps": 10}}, "checkpoint.every_steps"),
+        ({"checkpoint": {"every_s": 60}}, "checkpoint.every_s"),
+        ({"checkpoint": {"auto": True}}, "checkpoint.auto"),
+        ({"checkpoint": {"async": False}}, "checkpoint.async"),
+    ],
+)
+def test_what_a_ray_function_cannot_honor_is_refused_by_name(fields: dict[str, Any], field: str) -> None:
+    refused = kind_refusal(ray_function_spec(**fields), TrainerKind.RAY_FUNCTION)
+    assert refused is not None and refused.field == field
+
+
+def test_checkpoint_async_given_at_its_default_is_refused_where_it_is_known() -> None:
+    spec = ray_function_spec(checkpoint={"async": True})
+    assert kind_refusal(spec, TrainerKind.RAY_FUNCTION) is None  # the driver cannot tell it was given
+    refused = kind_refusal(spec, TrainerKind.RAY_FUNCTION, given={"checkpoint.async"})
+    assert refused is not None and refused.field == "checkpoint.async"
+
+
+def test_a_recipe_needs_its_data_steps_and_batch_size() -> None:
+    refused = kind_refusal(ray_function_spec(), TrainerKind.RECIPE)
+    assert refused == Refusal("dataset", "required for trainer lab.train:train_func (a recipe)")
+
+
+def test_an_own_loop_reports_its_own_eval() -> None:
+    spec = ray_function_spec(eval={"dataset": {"uri": "file:///held-out"}})
+    refused = kind_refusal(spec, TrainerKind.LOOP)
+    assert refused is not None and refused.field == "eval" and "ctx.report" in refused.message
+    assert kind_refusal(ray_function_spec(), TrainerKind.LOOP) is None

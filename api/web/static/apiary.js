@@ -325,7 +325,91 @@
     return sync;
   }
 
+  // -- the sweep page: objective against each parameter, and every trial's curve ---------------------
+  function sweepPage() {
+    const data = JSON.parse(document.getElementById("sweep-data").textContent);
+    const scored = data.trials.filter((t) => t.objective !== null);
+    for (const canvas of document.querySelectorAll("canvas.scatter")) {
+      const param = canvas.dataset.param;
+      const points = scored.filter((t) => param in t.params);
+      const numeric = points.every((t) => typeof t.params[param] === "number");
+      const labels = numeric ? [] : [...new Set(points.map((t) => JSON.stringify(t.params[param])))];
+      const xs = points.map((t) => (numeric ? t.params[param] : labels.indexOf(JSON.stringify(t.params[param]))));
+      const positive = numeric && xs.every((x) => x > 0);
+      const spread = positive && Math.max(...xs) / Math.min(...xs) > 50; // a log axis for lr-like ranges
+      const fx = (x) => (spread ? Math.log10(x) : x);
+      const ys = points.map((t) => t.objective);
+      canvas.dataset.points = String(points.length);
+      const ctx = canvas.getContext("2d");
+      ctx.clearRect(0, 0, canvas.width, canvas.height);
+      if (!points.length) continue;
+      const x0 = Math.min(...xs.map(fx)), x1 = Math.max(...xs.map(fx)), y0 = Math.min(...ys), y1 = Math.max(...ys);
+      const px = (x) => 30 + ((fx(x) - x0) / (x1 - x0 || 1)) * (canvas.width - 50);
+      const py = (y) => canvas.height - 25 - ((y - y0) / (y1 - y0 || 1)) * (canvas.height - 45);
+      ctx.fillStyle = "#6b7280";
+      ctx.font = "10px sans-serif";
+      ctx.fillText(`${y1.toPrecision(3)}`, 2, 15);
+      ctx.fillText(`${y0.toPrecision(3)}`, 2, canvas.height - 25);
+      ctx.fillText(spread ? "log scale" : numeric ? "" : labels.join("  "), 30, canvas.height - 5);
+      points.forEach((t, i) => {
+        ctx.fillStyle = t.job === data.best ? COLORS[1] : COLORS[0];
+        ctx.beginPath();
+        ctx.arc(px(xs[i]), py(ys[i]), t.job === data.best ? 5 : 3.5, 0, 2 * Math.PI);
+        ctx.fill();
+      });
+    }
+
+    async function curves() {
+      const element = document.getElementById("trials-chart");
+      const runs = await Promise.all(data.trials.map(async (t) => {
+        try {
+          const response = await fetch(`/jobs/${t.job}/metrics?rank=0&points=300&limit=100000`);
+          return response.ok ? (await response.json()).data : [];
+        } catch (err) { return []; }
+      }));
+      const tables = runs.map((points) => {
+        const kept = points.filter((p) => data.metric in p.values).sort((a, b) => a.step - b.step);
+        return kept.length ? [kept.map((p) => p.step), kept.map((p) => p.values[data.metric])] : [[0], [null]];
+      });
+      element.dataset.series = String(runs.filter((points) => points.some((p) => data.metric in p.values)).length);
+      if (!tables.length) return;
+      const options = {
+        width: Math.max(300, element.clientWidth || 600),
+        height: 280,
+        scales: { x: { time: false } },
+        axes: [{ label: "step" }, {}],
+        series: [{ label: "step" }, ...data.trials.map((t, i) => ({
+          label: `trial ${t.trial}`,
+          stroke: t.job === data.best ? COLORS[1] : COLORS[(i % (COLORS.length - 2)) + 2],
+          width: t.job === data.best ? 3 : 1,
+          spanGaps: true,
+          points: { show: false },
+        }))],
+      };
+      new uPlot(options, uPlot.join(tables), element);
+    }
+    curves();
+    setLive(false);
+
+    const cancel = document.getElementById("cancel-sweep");
+    if (cancel) {
+      cancel.addEventListener("click", async () => {
+        cancel.disabled = true;
+        const response = await fetch(`/sweeps/${document.body.dataset.sweep}/cancel`, { method: "POST" });
+        if (!response.ok) {
+          let message = `${response.status}`;
+          try { message = (await response.json()).message || message; } catch (err) { /* not JSON */ }
+          document.getElementById("action-error").textContent = message;
+          cancel.disabled = false;
+          return;
+        }
+        location.reload();
+      });
+    }
+  }
+
   if (page === "queues") queuePage();
   else if (page === "job") jobPage();
   else if (page === "compare") comparePage();
+  else if (page === "sweep") sweepPage();
 })();
