@@ -1,31 +1,34 @@
 """The `apiary` command: run the service, or the demo a new user starts with; the commands that use a
 running server (submit, jobs, queue, show, logs, watch, cancel, preempt) are in api/cli_jobs.py, and
-`apiary token` (on the database) in api/cli_admin.py."""
+`apiary token` (on the database) in api/cli_admin.py.
+
+Each command imports what it needs when it runs (`apiary --help` and the client commands load neither
+the server's nor the cluster's modules), and one whose extra is not installed says which to install
+and exits 2 (api/extras.py).
+"""
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
-from api import cli_admin, cli_db, cli_jobs, cli_sweeps, server
-from api.app import create_app
+from api import cli_admin, cli_db, cli_jobs, cli_sweeps
 from api.cli_plan import plan_command
-from api.client import ApiaryClientError
-from api.demo import run_demo_job, write_demo_dataset
-from api.logformat import configure_logging, route_ray_logs
-from service.cluster import free_port
+from api.extras import install_hint, missing
 from service.contract.errors import one_line
 from service.contract.spec import DataFormat
-from service.runtime import ray_client_env
-from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.settings import Settings
 
 app = typer.Typer(
     help="Apiary: queue and run distributed PyTorch training jobs on Ray.", no_args_is_help=True
@@ -45,7 +48,21 @@ def _private_files() -> None:
     os.umask(0o077)
 
 
+def _need(command: str, *extras: str, why: str = "") -> None:
+    """Exit 2, naming the extra to install, unless `extras` are installed."""
+    absent = missing(*extras)
+    if absent:
+        needs = f"apiary[{','.join(extras)}]{why}"
+        console.print(
+            f"[red]error:[/] `apiary {command}` needs {escape(needs)} ({absent[0]} is not installed): "
+            f"{escape(install_hint(*extras))}"
+        )
+        raise typer.Exit(2)
+
+
 def _settings(**overrides: Any) -> Settings:
+    from service.settings import Settings
+
     try:
         settings = Settings(**{key: value for key, value in overrides.items() if value is not None})
         settings.queues  # noqa: B018 (reads and checks APIARY_QUEUES_FILE)
@@ -70,7 +87,15 @@ def serve(
 ) -> None:
     """Start the API, the scheduler and (unless APIARY_RAY_ADDRESS is set) a local Ray."""
     _private_files()
+    _need("serve", "server")
     settings = _settings(host=host, port=port, forwarded_allow_ips=forwarded_allow_ips)
+    if settings.ray_address is None:
+        _need("serve", "server", "cluster", why=" to run jobs on a local Ray (or set APIARY_RAY_ADDRESS)")
+    from api import server
+    from api.app import create_app
+    from api.logformat import configure_logging, route_ray_logs
+    from service.runtime import ray_client_env
+
     cli_admin.refuse_unsafe_bind(settings)
     configure_logging(settings.log_format)
     os.environ.update(ray_client_env(settings))  # before Ray's first import (route_ray_logs)
@@ -86,6 +111,14 @@ def demo(
 ) -> None:
     """Write a small token dataset, start Apiary, train a tiny GPT on 2 workers, show progress."""
     _private_files()
+    _need("demo", "server", "cluster")
+    from api import server
+    from api.app import create_app
+    from api.demo import run_demo_job, write_demo_dataset
+    from api.logformat import route_ray_logs
+    from service.cluster import free_port
+    from service.runtime import ray_client_env
+
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
     port = free_port()
     settings = _settings(port=port)
@@ -129,6 +162,7 @@ def data_shard(
     ] = 1024,
 ) -> None:
     """Write SOURCE as N shards at DEST, with a _manifest.json (rows, schema, sha256 per shard)."""
+    _need("data shard", "cluster")
     from service.sharding import shard_dataset
 
     settings = _settings()
@@ -155,7 +189,7 @@ def data_shard(
 
 @app.command()
 def simulate(
-    trace: Annotated[Path | None, typer.Argument(help="Trace CSV to replay (see --generate).")] = None,
+    trace: Annotated[Path | None, typer.Argument(help="Trace CSV or .csv.gz (see --generate).")] = None,
     nodes: Annotated[int, typer.Option(min=1, help="Nodes of the simulated cluster.")] = 8,
     node: Annotated[str, typer.Option(help="Resources of one node.")] = "CPU=32,GPU=8",
     policy: Annotated[str, typer.Option(help="two-queue, fifo, greedy or share-first.")] = "two-queue",
@@ -170,6 +204,8 @@ def simulate(
 ) -> None:
     """Replay a job trace through a scheduling policy in simulated time (no Ray, no database), or
     generate a trace: most jobs small and short, a few large and long, bursty daily arrivals."""
+    from rich.table import Table
+
     from service.contract.queues import load
     from service.scheduling import simulate as sim
 
@@ -182,7 +218,8 @@ def simulate(
         _usage_error(f"--policy must be one of {', '.join(sim.POLICIES)}, got {policy!r}")
     try:
         resources = sim.parse_node(node)
-        with trace.open(newline="", encoding="utf-8") as source:
+        opener = gzip.open if trace.suffix == ".gz" else open  # the suite's traces are gzipped
+        with opener(trace, "rt", newline="", encoding="utf-8") as source:
             jobs = sim.read_trace(source, nodes=nodes, node=resources)
         queues = load(queues_file)
     except (OSError, ValueError) as err:
@@ -196,7 +233,7 @@ def simulate(
         table.add_column(column, justify="right" if column else "left")
     rows = [
         *((name, value.wait) for name, value in result.queues.items()),
-        *((f"{name}, all queued", value.queued) for name, value in result.queues.items()),
+        *((f"{name} queued", value.queued) for name, value in result.queues.items()),
         *(("size " + k, v) for k, v in result.size_classes.items()),
     ]
     for group, stats in rows:
@@ -228,14 +265,26 @@ def _usage_error(message: str) -> NoReturn:
 
 
 app.command("plan")(plan_command)  # api/cli_plan.py
-cli_db.register(app, load_settings=_settings)  # api/cli_db.py: apiary db upgrade | current
-cli_admin.register(app, load_settings=_settings)  # api/cli_admin.py: apiary token create | list | revoke
+
+
+def _server_settings(command: str) -> Settings:
+    _need(command, "server")
+    return _settings()
+
+
+# api/cli_db.py: apiary db upgrade | current; api/cli_admin.py: apiary token create | list | revoke
+cli_db.register(app, load_settings=lambda: _server_settings("db"))
+cli_admin.register(app, load_settings=lambda: _server_settings("token"))
 
 
 def main() -> None:
     try:
         app()
-    except ApiaryClientError as err:
+    except Exception as err:
+        # The SDK's refusals, one line (only a command that loaded the SDK can raise one).
+        client = sys.modules.get("api.client")
+        if client is None or not isinstance(err, client.ApiaryClientError):
+            raise
         console.print(f"[red]error:[/] {err.message}")
         sys.exit(1)
 

@@ -11,17 +11,18 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable, Iterator
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from api.schemas import TokenPublic
-from service.auth import CREATE_TOKEN_HINT, Auth, is_loopback
 from service.contract.errors import ApiaryError
-from service.settings import Settings
-from service.store.db import Database
+
+if TYPE_CHECKING:
+    # Imported where used: the client commands' `apiary` loads no database code (api/cli.py).
+    from api.schemas import TokenPublic
+    from service.auth import Auth
+    from service.settings import Settings
 
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
@@ -57,6 +58,8 @@ def register(app: typer.Typer, *, load_settings: Callable[[], Settings]) -> None
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")] = False,
     ) -> None:
         """Every token (revoked ones too), without secrets: only their hashes are stored."""
+        from api.schemas import TokenPublic
+
         with _auth(load_settings()) as auth:
             tokens = [TokenPublic.build(token) for token in auth.list_tokens()]
         if as_json:
@@ -75,6 +78,8 @@ def register(app: typer.Typer, *, load_settings: Callable[[], Settings]) -> None
 
 
 def _print_tokens(tokens: list[TokenPublic]) -> None:
+    from rich.table import Table
+
     table = Table(box=None)
     for column in ("ID", "USER", "ROLE", "CREATED", "REVOKED"):
         table.add_column(column)
@@ -91,6 +96,9 @@ def _print_tokens(tokens: list[TokenPublic]) -> None:
 
 @contextlib.contextmanager
 def _auth(settings: Settings) -> Iterator[Auth]:
+    from service.auth import Auth
+    from service.store.db import Database
+
     settings.data_dir.mkdir(parents=True, exist_ok=True)  # the default SQLite file lives there
     db = Database(settings.resolved_database_url)
     try:
@@ -112,6 +120,8 @@ def _one_line_errors() -> Iterator[None]:
 def refuse_unsafe_bind(settings: Settings) -> None:
     """Exit 2 when `apiary serve` would listen beyond loopback with no auth: anyone who could reach it
     would be the local user, an admin."""
+    from service.auth import CREATE_TOKEN_HINT, is_loopback
+
     if is_loopback(settings.host) or settings.auth_required:
         return
     with _auth(settings) as auth:

@@ -12,18 +12,19 @@ schema that is not at the newest revision instead of racing to migrate it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
-from sqlalchemy import Engine
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import SQLAlchemyError
 
-from api.logformat import configure_logging
 from service.contract.errors import one_line
-from service.settings import Settings
-from service.store import db
+
+if TYPE_CHECKING:
+    # Imported where used: the client commands' `apiary` loads no database code (api/cli.py).
+    from sqlalchemy import Engine
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from service.settings import Settings
 
 console = Console(soft_wrap=True)
 
@@ -38,6 +39,11 @@ def register(app: typer.Typer, *, load_settings: Callable[[], Settings]) -> None
     ) -> None:
         """Migrate APIARY_DATABASE_URL's schema to REVISION (default: the newest)."""
         settings = load_settings()
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from api.logformat import configure_logging
+        from service.store import db
+
         configure_logging(settings.log_format)  # each migration it runs is a log line
         engine = _engine(settings)
         try:
@@ -57,6 +63,10 @@ def register(app: typer.Typer, *, load_settings: Callable[[], Settings]) -> None
     def current() -> None:
         """Print the schema's revision and whether it is the newest (exit 1 if it is not)."""
         settings = load_settings()
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from service.store import db
+
         engine = _engine(settings)
         try:
             revision = db.current_revision(engine)
@@ -75,6 +85,10 @@ def register(app: typer.Typer, *, load_settings: Callable[[], Settings]) -> None
 
 
 def _engine(settings: Settings) -> Engine:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from service.store import db
+
     try:
         return db.build_engine(settings.resolved_database_url)
     except (SQLAlchemyError, ValueError) as err:  # a malformed URL, an unknown driver
@@ -84,6 +98,8 @@ def _engine(settings: Settings) -> Engine:
 
 def _where(settings: Settings) -> str:
     """The database, without its password."""
+    from sqlalchemy.engine import make_url
+
     return make_url(settings.resolved_database_url).render_as_string(hide_password=True)
 
 

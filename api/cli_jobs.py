@@ -18,21 +18,23 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
-import yaml
-from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from api.client import ApiaryClient, ApiaryClientError, ApiaryInvalid
-from api.schemas import JobPublic
 from service.contract.errors import CodeError, one_line
-from service.contract.spec import JobSpec, field_line, parse_spec_text
-from service.contract.states import TERMINAL_STATES, JobState
+
+if TYPE_CHECKING:
+    # Imported where used, so that `apiary --help` loads no HTTP client and no schemas (api/cli.py).
+    from pydantic import BaseModel
+
+    from api.client import ApiaryClient
+    from api.schemas import JobPublic
+    from service.contract.spec import JobSpec
+    from service.contract.states import JobState
 
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
@@ -73,6 +75,9 @@ def submit(
     as_json: AsJson = False,
 ) -> None:
     """Queue the job in FILE. A spec Apiary refuses names the field and its line (exit 2)."""
+    from api.client import ApiaryInvalid
+    from service.contract.spec import field_line
+
     text, spec = _read_spec(file)
     with _client(url, token) as client:
         try:
@@ -171,6 +176,8 @@ def queue(
 
 def show(job_id: JobId, url: Url = None, token: Token = None, as_json: AsJson = False) -> None:
     """A job: its state and progress, why it waits, its checkpoint, and its recent events."""
+    from service.contract.states import JobState
+
     with _client(url, token) as client:
         job = client.get(job_id)
         events = client.events(job_id)
@@ -330,6 +337,8 @@ def _number(value: float | None) -> str:
 @contextlib.contextmanager
 def _client(url: str | None, token: str | None) -> Iterator[ApiaryClient]:
     """The SDK client; the server's refusals become one line and exit 1 (2 for bad input)."""
+    from api.client import ApiaryClient, ApiaryClientError, ApiaryInvalid
+
     try:
         with ApiaryClient(url, token=token, retries=2) as client:
             yield client
@@ -341,6 +350,11 @@ def _client(url: str | None, token: str | None) -> Iterator[ApiaryClient]:
 
 def _read_spec(file: Path) -> tuple[str, JobSpec]:
     """The file's text and its spec; a bad one exits 2 naming the field and its line."""
+    import yaml
+    from pydantic import ValidationError
+
+    from service.contract.spec import JobSpec, field_line, parse_spec_text
+
     try:
         text = file.read_text()
     except OSError as err:
@@ -371,6 +385,10 @@ def _loc(field: str) -> list[str | int]:
 
 
 def _watch(client: ApiaryClient, job_id: int, *, interval_s: float) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from service.contract.states import TERMINAL_STATES, JobState
+
     job = client.get(job_id)
     progress = Progress(
         TextColumn("{task.description}"),
@@ -418,6 +436,8 @@ def _steps(job: JobPublic) -> str:
 
 
 def _progress_title(job: JobPublic) -> str:
+    from service.contract.states import JobState
+
     title = f"job {job.id} {escape(job.name)} {_state(job.state)}"
     if job.state is JobState.QUEUED and job.queue_position:
         title += f" #{job.queue_position}" + (f" (ETA {_when(job.eta_at)})" if job.eta_at else "")

@@ -16,12 +16,10 @@ from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, NoReturn, Union, get_args, get_origin
 
-import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from api.client import ApiaryClient, ApiaryClientError
 from service.contract.errors import one_line
 from service.contract.spec import JobSpec, parse_spec_text
 from service.planning.formulas import Plan, PlanFacts, Row, facts_from_spec, merge_facts, plan
@@ -187,6 +185,10 @@ def plan_command(
     **flags: Any,
 ) -> None:
     """Throughput, communication ceiling, checkpoint cost, cadence, failure waste and price of a run."""
+    import httpx
+
+    from api.client import ApiaryClient, ApiaryClientError
+
     flags = facts_from_flags(flags)
     spec: JobSpec | None = None
     if spec_file is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import yaml
@@ -15,10 +15,11 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from api.cli_jobs import AsJson, JobId, Token, Url, _client, _fail, _print_json, console
-from api.client import ApiaryInvalid
-from api.schemas import SweepPublic
 from service.contract.errors import one_line
 from service.contract.spec import field_line, parse_spec_text
+
+if TYPE_CHECKING:
+    from api.schemas import SweepPublic
 
 
 class _RunByDefault(TyperGroup):
@@ -55,6 +56,8 @@ def run(
     as_json: AsJson = False,
 ) -> None:
     """Start a sweep. A file the server refuses names the field and its line (exit 2)."""
+    from api.client import ApiaryInvalid  # where used: `apiary --help` loads no HTTP client (api/cli.py)
+
     try:
         text = file.read_text()
         payload = parse_spec_text(text)

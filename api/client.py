@@ -278,7 +278,9 @@ class ApiaryClient:
         spec names it: the job's trainer may be a module in it. One Idempotency-Key (a fresh uuid unless
         given) for all tries: the server keeps one job for it."""
         if isinstance(spec, JobSpec):
-            payload: dict[str, Any] = spec.model_dump(mode="json")
+            # What was written, not the defaults: a field given explicitly may be refused for the
+            # trainer's kind (checkpoint.async for a Ray function) where its default is not.
+            payload: dict[str, Any] = spec.model_dump(mode="json", exclude_unset=True)
         elif isinstance(spec, dict):
             payload = dict(spec)
         else:

@@ -21,18 +21,13 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api import errors
-from api.deps import TOKEN_COOKIE, authenticate
+from api.deps import authenticate_request, bearer_of
 from service.contract.errors import ApiaryError, JobNotFound
 from service.runtime import Runtime
 
 TELEMETRY = re.compile(r"^/internal/jobs/([0-9]{1,16})/telemetry$")
 WITH_BODY = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 NO_USER = frozenset({"/login", "/logout"})
-
-
-def bearer_of(authorization: str | None) -> str | None:
-    scheme, _, token = (authorization or "").partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
 
 
 class AuthenticateFirst:
@@ -73,4 +68,4 @@ class AuthenticateFirst:
             if request.method == "POST":  # its one method (another is a 405, with or without a token)
                 runtime.jobs.check_report_token(int(telemetry.group(1)), bearer)
         elif not request.url.path.startswith("/internal/"):
-            authenticate(runtime.auth, bearer=bearer, cookie=request.cookies.get(TOKEN_COOKIE))
+            authenticate_request(runtime.auth, request)

@@ -106,6 +106,8 @@ def train(
     seconds of those spent inside the checkpoint calls and in optimizer steps waiting for a copy."""
     rank = dist.get_rank()
     state = TrainState()
+    lr_schedule = parts.lr_schedule
+    assert lr_schedule is not None
     inside = 0.0
     dist.barrier()
     started = time.perf_counter()
@@ -115,7 +117,7 @@ def train(
         parts.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         parts.optimizer.step()
-        parts.lr_schedule.step()
+        lr_schedule.step()
         state.advance(epoch=0, samples=BATCH)
         call_started = time.perf_counter()
         if mode == "async":
@@ -124,7 +126,7 @@ def train(
             contents = {
                 "model": parts.model.state_dict(),
                 "optimizer": parts.optimizer.state_dict(),
-                "lr_schedule": parts.lr_schedule.state_dict(),
+                "lr_schedule": lr_schedule.state_dict(),
                 "step": state.step,
             }
             folder = run_dir / checkpoint_dir_name(state.step)

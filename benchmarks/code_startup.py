@@ -59,7 +59,8 @@ def spec(dataset_uri: str, *, trainer: str, steps: int) -> dict[str, Any]:
         "dataset": {"uri": dataset_uri},
         "max_steps": steps,
         "batch_size": 16,
-        "config": {"vocab_size": 256, "d_model": 64},
+        # A Ray Train function gets the spec's `config`: what it needs of the spec goes there too.
+        "config": {"vocab_size": 256, "d_model": 64, "max_steps": steps, "batch_size": 16, "seed": 0},
     }
 
 

@@ -6,6 +6,10 @@ no usable token: a token presented with a request is hashed, looked up by that h
 hash compared with `hmac.compare_digest`. A revoked token stops working at once (every request looks
 its token up). Tokens and their hashes are never logged.
 
+The web view logs in with a token once (`start_session`) and then holds a server-side session: its
+cookie is a random session id (stored as a SHA-256, like tokens) that logout, `SESSION_TTL_S` and the
+revocation of its token end (`authenticate_session`).
+
 Roles (`User.admin`):
 - everyone authenticated may read everything (jobs, events, metrics, logs, queues, the web view);
 - a user submits jobs that they own, with a priority of at most `Settings.user_max_priority`, and may
@@ -30,6 +34,7 @@ import ipaddress
 import re
 import secrets
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from service.contract.errors import Forbidden, InvalidSpec, Unauthenticated
 from service.settings import Settings
@@ -40,6 +45,8 @@ from service.store.models import ApiToken
 TOKEN_PREFIX = "apiary_"
 USER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
 CREATE_TOKEN_HINT = "create one with `apiary token create NAME --admin` (on the server's database)"
+UNKNOWN_TOKEN = "this API token is unknown or revoked: ask an admin for a new one, or " + CREATE_TOKEN_HINT
+SESSION_TTL_S = 12 * 3600  # a web session's life at most (logout and revocation end it sooner)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,11 +157,37 @@ class Auth:
         with self.db.session() as session:
             token = repository.find_active_token(session, token_hash=digest)
             if token is None or not hmac.compare_digest(token.token_hash, digest):
+                raise Unauthenticated(UNKNOWN_TOKEN)
+            return User(name=token.user_name, admin=token.admin)
+
+    def start_session(self, secret: str) -> str:
+        """Log the web view in with an API token: a new session id for the browser's cookie (the
+        token itself never leaves the login form). `Unauthenticated` for a bad token."""
+        digest = hash_token(secret)
+        session_id = secrets.token_urlsafe(32)
+        with self.db.session() as session:
+            token = repository.find_active_token(session, token_hash=digest)
+            if token is None or not hmac.compare_digest(token.token_hash, digest):
+                raise Unauthenticated(UNKNOWN_TOKEN)
+            expires_at = datetime.now(UTC) + timedelta(seconds=SESSION_TTL_S)
+            repository.add_web_session(
+                session, token=token, session_hash=hash_token(session_id), expires_at=expires_at
+            )
+        return session_id
+
+    def authenticate_session(self, session_id: str) -> User:
+        """The user of a web session that has not ended (logout), expired, or lost its token."""
+        with self.db.session() as session:
+            token = repository.find_web_session_token(session, session_hash=hash_token(session_id))
+            if token is None:
                 raise Unauthenticated(
-                    "this API token is unknown or revoked: ask an admin for a new one, or "
-                    + CREATE_TOKEN_HINT
+                    "this web session ended (logged out, expired, or its token was revoked): log in again"
                 )
             return User(name=token.user_name, admin=token.admin)
+
+    def end_session(self, session_id: str) -> None:
+        with self.db.session() as session:
+            repository.end_web_session(session, session_hash=hash_token(session_id))
 
     def create_token(self, *, user: str, admin: bool = False) -> IssuedToken:
         secret = new_secret()

@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +180,23 @@ REPORT_REFUSED = (
     "(Authorization: Bearer)"
 )
 GIVEN_UP_HASHES_KEPT = 10_000
+JOB_ENDED = "job {job_id} ended ({state}): its report tokens write nothing more; exit"
+# A finished job's report token is dead: a post after the job ended changes nothing. For this long
+# after the end, a post of its final attempt with that attempt's token is answered 202 (`stored: 0`,
+# `superseded: true`: exit) rather than 403: it can only be a late copy of the final report (a post
+# whose answer the rank's `close()` did not wait for, then sent again and delivered: trainers.
+# telemetry), since a job's Ray job, and so its end here, comes only after its ranks' last posts.
+# Later, and for any other post, 403 `AttemptSuperseded` (before the body is read, api.gate).
+FINAL_REPORT_GRACE_S = 120.0
+
+
+def _final_report_window_over(job: Job) -> bool:
+    if not job.state.is_terminal:
+        return False
+    if job.finished_at is None:
+        return True
+    finished = job.finished_at if job.finished_at.tzinfo is not None else job.finished_at.replace(tzinfo=UTC)
+    return (datetime.now(UTC) - finished).total_seconds() > FINAL_REPORT_GRACE_S
 
 
 @dataclass(kw_only=True)
@@ -507,6 +524,9 @@ class JobService:
         with self.db.session() as session:
             # Locked: two ranks' first posts after a restart must count it once.
             job = repository.get_job(session, job_id, for_update=True)
+            if job.state.is_terminal:
+                self._check_after_the_end(job, batch, token=token)
+                return TelemetryReply(stored=0, stop=False, superseded=True)
             # A given-up attempt's points only: the next attempt may resume from a checkpoint that
             # one wrote after it was given up, and then nobody trains those steps again. No
             # checkpoint, status or event of it counts, and the reply tells it to exit.
@@ -569,11 +589,24 @@ class JobService:
         with self.db.session() as session:
             job = repository.get_job(session, job_id)
             attempt, current = job.attempt, job.report_token_hash
+            if _final_report_window_over(job):
+                raise AttemptSuperseded(JOB_ENDED.format(job_id=job_id, state=job.state.value))
         if not token_matches(token, current) and not any(
             token_matches(token, self._given_up_hash(job_id, earlier))
             for earlier in range(attempt - 1, 0, -1)
         ):
             raise ReportRefused(REPORT_REFUSED.format(job_id=job_id))
+
+    def _check_after_the_end(self, job: Job, batch: TelemetryBatch, *, token: str | None) -> None:
+        """A post to a job that ended changes nothing. Its final attempt's own post within
+        FINAL_REPORT_GRACE_S of the end passes (the caller answers it as delivered: see the constant);
+        anything else is refused."""
+        if batch.attempt == job.attempt and token_matches(token, job.report_token_hash):
+            if not _final_report_window_over(job):
+                return
+        elif batch.attempt >= job.attempt:
+            raise ReportRefused(REPORT_REFUSED.format(job_id=job.id))
+        raise AttemptSuperseded(JOB_ENDED.format(job_id=job.id, state=job.state.value))
 
     def _given_up_hash(self, job_id: int, attempt: int) -> str | None:
         key = (job_id, attempt)

@@ -22,9 +22,8 @@ for again after `min_steps`.
 Agreement: every rank must act on the same anomaly at the same step, or the next collective hangs.
 Under DDP and FSDP the gradient norm is the same on every rank, but the loss is each rank's own (and
 one rank's NaN loss makes every rank's gradient norm NaN). So every rank encodes what it saw
-(`encode`: the control plane's stop request too, so this is the loop's one small collective per
-step), the ranks all-gather those few numbers (`trainers.parallel.gather_values`), and every rank
-decodes the same table into the same `StepVerdict`. When several ranks saw something, the verdict
+(`encode`), the ranks all-gather those few numbers (`trainers.parallel.gather_values`), and every
+rank decodes the same table into the same verdict (`decide`). When several ranks saw something, the verdict
 names the root cause: a loss before a gradient norm (a bad loss is why the norm is bad), a
 non-finite value before a spike, then the lowest rank.
 
@@ -52,9 +51,8 @@ MIN_SPIKE_RATIO = 2.0
 
 _KINDS: tuple[AnomalyKind, ...] = ("nan", "inf", "spike")
 _METRICS: tuple[Metric, ...] = ("loss", "grad_norm")
-# What one rank contributes to the step's collective: stop requested, anomaly seen, kind, metric,
-# value, z-score.
-ENCODED_LENGTH = 6
+# What one rank contributes to the step's collective: anomaly seen, kind, metric, value, z-score.
+ENCODED_LENGTH = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,14 +83,6 @@ class Anomaly:
         if self.zscore is not None:
             data["zscore"] = self.zscore
         return data
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepVerdict:
-    """What all ranks agreed on at the end of a step's backward pass."""
-
-    stop_requested: bool  # the control plane asked any rank to checkpoint and stop
-    anomaly: Anomaly | None  # the root anomaly of this step on any rank
 
 
 class AnomalyDetector:
@@ -153,12 +143,11 @@ class AnomalyDetector:
 # -- agreement across ranks ----------------------------------------------------------------------------
 
 
-def encode(anomaly: Anomaly | None, *, stop_requested: bool) -> list[float]:
+def encode(anomaly: Anomaly | None) -> list[float]:
     """This rank's contribution to the step's collective (`ENCODED_LENGTH` floats)."""
     if anomaly is None:
-        return [float(stop_requested), 0.0, 0.0, 0.0, 0.0, math.nan]
+        return [0.0, 0.0, 0.0, 0.0, math.nan]
     return [
-        float(stop_requested),
         1.0,
         float(_KINDS.index(anomaly.kind)),
         float(_METRICS.index(anomaly.metric)),
@@ -167,30 +156,30 @@ def encode(anomaly: Anomaly | None, *, stop_requested: bool) -> list[float]:
     ]
 
 
-def decide(rows: Sequence[Sequence[float]], *, step: int) -> StepVerdict:
-    """The verdict of step `step` from every rank's `encode`d row, in rank order (the same on all ranks)."""
+def decide(rows: Sequence[Sequence[float]], *, step: int) -> Anomaly | None:
+    """The root anomaly of step `step` on any rank (None: none), from every rank's `encode`d row, in rank
+    order (the same on all ranks)."""
     seen: list[Anomaly] = []
     for rank, row in enumerate(rows):
         if len(row) != ENCODED_LENGTH:
             raise ValueError(f"rank {rank} sent {len(row)} values, expected {ENCODED_LENGTH}")
-        if row[1]:
-            zscore = row[5]
+        if row[0]:
+            zscore = row[4]
             seen.append(
                 Anomaly(
-                    kind=_KINDS[int(row[2])],
-                    metric=_METRICS[int(row[3])],
+                    kind=_KINDS[int(row[1])],
+                    metric=_METRICS[int(row[2])],
                     step=step,
                     rank=rank,
-                    value=row[4],
+                    value=row[3],
                     zscore=None if math.isnan(zscore) else zscore,
                 )
             )
-    root = min(
+    return min(
         seen,
         key=lambda a: (_METRICS.index(a.metric), a.kind == "spike", a.rank),
         default=None,
     )
-    return StepVerdict(stop_requested=any(row[0] for row in rows), anomaly=root)
 
 
 def _number(value: float) -> str:

@@ -15,7 +15,7 @@ without the job's database row:
                        "sharded": they are in the `sharded/` folder beside it (FSDP, below)
     model              ("full" only) the model's state_dict, unwrapped from DistributedDataParallel
     optimizer          ("full" only) optimizer.state_dict()
-    lr_schedule        the LR schedule's state_dict()
+    lr_schedule        the LR schedule's state_dict() ({} for an own loop without one)
     step               optimizer steps completed                      (these four are `TrainState`)
     epoch              the epoch the last step's batch came from
     batches_in_epoch   batches each rank had taken from that epoch (the data position)
@@ -23,7 +23,7 @@ without the job's database row:
     skipped_batches    [[epoch, batch index in epoch], ...]: batches never trained on, skipped by an
                        anomaly rollback (`trainers.anomaly`); [] when reading formats 1 to 3
     recipe_state       (when the recipe has one) the recipe's own state, `Recipe.state_dict()` of
-                       rank 0 (`trainers.recipe`)
+                       rank 0 (`trainers.recipe`), or an own loop's `extra` state (`trainers.context`)
     world_size         ranks that wrote it
     rng                one dict per rank: python, numpy, torch (and cuda) generator states
 
@@ -162,7 +162,8 @@ class TrainParts:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    lr_schedule: torch.optim.lr_scheduler.LRScheduler
+    # None for a loop without one (`trainers.context`): its checkpoints hold an empty `lr_schedule`.
+    lr_schedule: torch.optim.lr_scheduler.LRScheduler | None = None
     # The recipe's own state (`Recipe.state_dict`), the same on every rank: rank 0's is saved.
     extra: Stateful | None = None
 
@@ -309,7 +310,7 @@ def take_snapshot(
             "spec": spec.model_dump(mode="json"),
             "row_shape": dict(row_shape),
             "model_format": "sharded" if sharded else "full",
-            "lr_schedule": parts.lr_schedule.state_dict(),
+            "lr_schedule": parts.lr_schedule.state_dict() if parts.lr_schedule is not None else {},
             **{name: getattr(state, name) for name in _STATE_FIELDS},
             "skipped_batches": [list(batch) for batch in state.skipped_batches],
             "world_size": len(rng),
@@ -785,7 +786,8 @@ def restore_checkpoint(
     else:
         unwrap_model(model).load_state_dict(contents["model"])
         optimizer.load_state_dict(contents["optimizer"])
-    parts.lr_schedule.load_state_dict(contents["lr_schedule"])
+    if parts.lr_schedule is not None:
+        parts.lr_schedule.load_state_dict(contents["lr_schedule"])
     if parts.extra is not None and "recipe_state" in contents:
         parts.extra.load_state_dict(contents["recipe_state"])
     return contents
@@ -909,6 +911,7 @@ class Checkpointer:
         self._every_s = self.spec.checkpoint.every_s
         self._cadence: AutoCadence | None = None
         self._metrics: dict[str, float] = {}  # of the checkpoint in flight
+        self.started_step: int | None = None  # the step of the last checkpoint started (this run)
         self._last_snapshot_at = time.monotonic()
         self._guarded: list[torch.optim.Optimizer] = []  # optimizers whose step waits for the copy
 
@@ -1001,6 +1004,7 @@ class Checkpointer:
             parts, state, spec=self.spec, row_shape=self.row_shape, rng=rng, rank=self.rank
         )
         self._metrics = {"step": state.step, "samples_consumed": state.samples_consumed, **metrics}
+        self.started_step = state.step
         self._last_snapshot_at = time.monotonic()
         writer = self._writer_for(sharded=snapshot.shards is not None)
         if parts.optimizer not in self._guarded:

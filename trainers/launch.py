@@ -20,7 +20,8 @@ the Train controller imports torch (each import delays the workers' start). So t
 imports no torch either: the recipes' train loop is reached through `recipe_train_loop`. What the
 spec's `trainer` is, a recipe, an own loop or a Ray function (`trainer_kind`), is read from its
 module's source; a recipe's module is imported here, for its config schema and column check (the
-built-ins' module imports no torch), a function's only on the workers (`run_custom_trainer`).
+built-ins' module imports no torch), a function's only on the workers (`context_train_loop` for an
+own loop, which gets its `trainers.context.TrainContext`; `run_custom_trainer` for a Ray function).
 `ApiaryTrainer` (`trainers.ray_private`) also leaves out
 two of Ray Train's helper actors, a process each per job. Every process of the job prints its
 start-up marks (`trainers.startup`) for `benchmarks/overhead.py`.
@@ -264,11 +265,11 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
             storage_filesystem=storage_filesystem,
             failure_config=failure_config,
         ),
-        # Recipes read their own deterministic per-rank streams (trainers.data_stream); a function
-        # trainer still gets the whole dataset through `ray.train.get_dataset_shard`.
+        # Recipes and own loops read their own deterministic per-rank streams (trainers.data_stream);
+        # a Ray function still gets the whole dataset through `ray.train.get_dataset_shard`.
         datasets=(
             {DATASET_NAME: build_ray_dataset(dataset_info, s3_endpoint_url=request.s3_endpoint_url)}
-            if recipe is None and dataset_info is not None
+            if kind is TrainerKind.RAY_FUNCTION and dataset_info is not None
             else None
         ),
         dataset_config=ray.train.DataConfig(
@@ -369,6 +370,8 @@ def train_function_for(kind: TrainerKind, trainer: str) -> Callable[[dict[str, A
     trainer itself for a function (imported on the workers only)."""
     if kind is TrainerKind.RECIPE:
         return recipe_train_loop
+    if kind is TrainerKind.LOOP:
+        return functools.partial(context_train_loop, trainer)
     return functools.partial(run_custom_trainer, trainer)
 
 
@@ -380,6 +383,16 @@ def recipe_train_loop(loop_config: dict[str, Any]) -> None:
     startup.mark("loop_imported")
 
     train_loop_per_worker(loop_config)
+
+
+def context_train_loop(trainer: str, loop_config: dict[str, Any]) -> None:
+    """An own loop (`def train(ctx: TrainContext)`), called on every worker with its training context
+    (`trainers.context`, imported here: it imports torch)."""
+    startup.mark("loop_entered")
+    from trainers.context import run_loop
+
+    startup.mark("loop_imported")
+    run_loop(import_trainer(trainer), loop_config)
 
 
 def run_custom_trainer(trainer: str, loop_config: dict[str, Any]) -> None:

@@ -28,7 +28,8 @@ function imported it; `trainers.ray_private.intercept_report`):
 - a checkpoint Ray Train has persisted is recorded with the control plane (a checkpoint row, the
   job's latest checkpoint), by rank 0 after its metrics when rank 0 reported one, else by each rank
   that did (the same URI, stored once); the service's `keep_last`/`keep_best` retention then
-  applies to it. With `checkpoint_upload_mode=ASYNC` it is recorded at the next report or at the end;
+  applies to it. With `checkpoint_upload_mode=ASYNC` it is recorded at a later report or at the end
+  (where the function's uploads are waited for);
 - then the ranks agree on rank 0's word from the control plane (`ray.train.collective.
   broadcast_from_rank_zero`, one small round trip per report): when the job was asked to stop (a
   preemption, its max_runtime_s), every rank leaves the function there, at the same report, by an
@@ -67,7 +68,7 @@ from service.contract.protocol import (
 )
 from service.contract.storage import checkpoint_uri
 from trainers.checkpoint import checkpoint_dir_name as dir_name_for
-from trainers.ray_private import intercept_report
+from trainers.ray_private import intercept_report, wait_for_checkpoint_uploads
 from trainers.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,6 @@ class Reports:
         self.telemetry = telemetry
         self.rank = rank
         self.step = 0
-        self.stopped = False
         self._recorded: str | None = None  # the path of the last checkpoint this rank recorded
         self._steps: dict[str, int] = {}  # checkpoint folder name -> step, of this rank's own reports
 
@@ -179,11 +179,10 @@ class Reports:
         stop, rank0_saved = ray.train.collective.broadcast_from_rank_zero(
             (self.telemetry.stop_requested.is_set(), checkpoint is not None)
         )
-        if checkpoint is not None and (self.rank == 0 or not rank0_saved):
-            self.record_checkpoint()
+        if self.saved_any and (self.rank == 0 or not rank0_saved):
+            self.record_checkpoint()  # this report's, or one uploaded in the background since
         self.telemetry.progress("compute", step=step)
         if stop:
-            self.stopped = True
             raise StopRequested
 
     @property
@@ -223,7 +222,8 @@ def run_ray_function(function: Callable[..., Any], loop_config: dict[str, Any]) 
                 if rank == 0:
                     logger.info("stopped at step %d, as the control plane asked", reports.step)
         if reports.saved_any:
-            reports.record_checkpoint()  # one uploaded in the background (ASYNC) since the last report
+            wait_for_checkpoint_uploads()  # ASYNC uploads still in flight: recorded once persisted
+            reports.record_checkpoint()
         telemetry.progress("done", step=reports.step)
 
 

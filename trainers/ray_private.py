@@ -33,6 +33,10 @@ What each name is for:
   as the place to change those functions' behaviour). `intercept_report` puts a proxy there for
   the length of a block, whose `report` goes through a hook (`trainers.ray_function`) and whose
   every other member is the original's.
+- `ray.train.v2._internal.execution.context.get_train_context().checkpoint_upload_threadpool`: the
+  worker's threads of `checkpoint_upload_mode=ASYNC` uploads, which Ray shuts down (waiting) once the
+  train function has returned; `wait_for_checkpoint_uploads` waits for them a moment earlier, at the
+  end of a Ray Train function, so that its last checkpoint is recorded.
 - `ray.train.torch.config`'s private helpers (`TORCH_SET_ENV_VARS`, `TORCH_SETUP_PROCESS_GROUP`,
   `TORCH_SHUTDOWN`), called by name on the workers by `trainers.backend`: that module imports
   torch, which the driver and the controller must not, so they are named here and imported only
@@ -54,6 +58,7 @@ from ray.train._internal.utils import get_address_and_port
 from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.exceptions import RayTrainError, UserExceptionWithTraceback
+from ray.train.v2._internal.execution.context import get_train_context
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 from ray.train.v2._internal.execution.train_fn_utils import get_train_fn_utils, set_train_fn_utils
 from ray.train.v2._internal.util import TrainingFramework
@@ -76,6 +81,7 @@ __all__ = [
     "intercept_report",
     "is_ray_train_error",
     "unwrap_user_exception",
+    "wait_for_checkpoint_uploads",
 ]
 
 logger = logging.getLogger(__name__)
@@ -213,3 +219,9 @@ def intercept_report(hook: ReportHook) -> Iterator[None]:
         yield
     finally:
         set_train_fn_utils(original)
+
+
+def wait_for_checkpoint_uploads() -> None:
+    """On a Ray Train worker: return once this worker's background checkpoint uploads are done (Ray
+    does the same right after the train function returns; doing it twice is harmless)."""
+    get_train_context().checkpoint_upload_threadpool.shutdown(wait=True)

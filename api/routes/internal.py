@@ -6,8 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, status
 
-from api.deps import JobsDep
-from api.gate import bearer_of
+from api.deps import JobsDep, bearer_of
 from api.limits import JobId
 from api.schemas import error_responses
 from service.contract.protocol import TelemetryBatch, TelemetryReply

@@ -1,7 +1,9 @@
 """Server-sent event streams: a job's state, events and metric points as they are stored, and the queues.
 
-The contract (event types, ids, resumption) is docs/jobs.md, "Live streams" and the API table. Each
-stream polls the database by row id past its cursor, in a worker thread, with a session per poll
+The contract (event types, ids, resumption) is docs/jobs.md, "Live streams" and the API table. A
+stream lives only as long as its credential: it checks it again before each batch of messages it
+sends and at least every AUTH_RECHECK_S, and ends when it was revoked (or its web session ended).
+Each stream polls the database by row id past its cursor, in a worker thread, with a session per poll
 (none is held across the sleeps). sse-starlette frames the messages, sends the keep-alive comments and
 ends a stream when its client goes away or the server stops (with a plain StreamingResponse, uvicorn
 waited on an open stream after SIGTERM).
@@ -21,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import JobsDep
+from api.deps import AuthDep, JobsDep, authenticate_request
 from api.limits import PRINTABLE_PATTERN, JobId
 from api.schemas import (
     EventPublic,
@@ -32,6 +34,8 @@ from api.schemas import (
     QueuesPublic,
     error_responses,
 )
+from service.auth import Auth
+from service.contract.errors import Unauthenticated
 from service.jobs import JobService
 
 router = APIRouter(tags=["streams"])
@@ -39,6 +43,7 @@ router = APIRouter(tags=["streams"])
 POLL_S = 0.5  # how often a job stream looks for new rows
 QUEUES_POLL_S = 1.0  # how often the queues are read again (shared by every queues stream)
 KEEP_ALIVE_S = 15.0  # a comment this often (sse-starlette sends it whatever else was sent)
+AUTH_RECHECK_S = 5.0  # at most this long between two checks of a stream's credential
 EVENTS_PER_POLL = 500
 METRICS_PER_POLL = 5_000
 
@@ -121,6 +126,26 @@ def _poll_job(jobs: JobService, job_id: int, cursor: JobCursor) -> JobPoll:
     )
 
 
+class CredentialCheck:
+    """A stream's credential, checked again (see the module docstring)."""
+
+    def __init__(self, auth: Auth, request: Request) -> None:
+        self.auth = auth
+        self.request = request
+        self.checked_at = time.monotonic()  # the route's own dependency checked it just now
+
+    async def still_valid(self, *, sending: bool) -> bool:
+        """Whether the stream may go on: checked now if it is about to send, or if it is time."""
+        if not sending and time.monotonic() - self.checked_at < AUTH_RECHECK_S:
+            return True
+        try:
+            await run_in_threadpool(authenticate_request, self.auth, self.request)
+        except Unauthenticated:
+            return False
+        self.checked_at = time.monotonic()
+        return True
+
+
 # Streams being served now (the tests check that a client going away ends its stream).
 open_streams = 0
 
@@ -148,7 +173,9 @@ def _event_stream(messages: AsyncIterator[ServerSentEvent]) -> EventSourceRespon
 @router.get("/jobs/{job_id}/stream", response_class=EventSourceResponse, responses=error_responses(404, 422))
 async def stream_job(
     job_id: JobId,
+    request: Request,
     jobs: JobsDep,
+    auth: AuthDep,
     # Not nullable ("" = not given): a client generating from the schema has no null for a header.
     last_event_id: Annotated[
         str, Query(pattern=JOB_CURSOR_PATTERN, description="Resume after this id (as Last-Event-ID).")
@@ -164,6 +191,7 @@ async def stream_job(
         assert resume is not None
         raise _bad_cursor("header" if last_event_id_header else "query", resume) from None
     first = await run_in_threadpool(_poll_job, jobs, job_id, cursor)  # 404 here, before the stream starts
+    credential = CredentialCheck(auth, request)
 
     async def messages() -> AsyncIterator[ServerSentEvent]:
         poll: JobPoll | None = first
@@ -174,6 +202,9 @@ async def stream_job(
             # Each id covers exactly what was sent up to its message: a client that resumes from any
             # of them misses nothing and gets nothing twice.
             state = poll.job.model_dump_json()
+            sending = state != sent_state or bool(poll.events or poll.metrics) or poll.job.state.is_terminal
+            if not await credential.still_valid(sending=sending):
+                return
             if state != sent_state:
                 yield sse("state", state, id=str(cursor))
                 sent_state = state
@@ -230,6 +261,7 @@ def _tracker(request: Request) -> QueuesTracker:
 async def stream_queues(
     request: Request,
     jobs: JobsDep,
+    auth: AuthDep,
     last_event_id: Annotated[
         str,
         Query(max_length=32, pattern=PRINTABLE_PATTERN, description="Resume after this id (Last-Event-ID)."),
@@ -239,11 +271,14 @@ async def stream_queues(
     """GET /queues' body as a server-sent event at connect and whenever it changes."""
     tracker = _tracker(request)
     resume = _resume_from(last_event_id_header, last_event_id)
+    credential = CredentialCheck(auth, request)
 
     async def messages() -> AsyncIterator[ServerSentEvent]:
         sent = resume
         while True:
             version, body = await tracker.latest(jobs)
+            if not await credential.still_valid(sending=str(version) != sent):
+                return
             if str(version) != sent:
                 yield sse("queues", body, id=str(version))
                 sent = str(version)

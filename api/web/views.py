@@ -14,8 +14,10 @@ queue page reads one page of each list through the service's paginated calls, ne
 
 from __future__ import annotations
 
+import hmac
 import json
 import re
+import secrets
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,19 +29,27 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi import Path as FastPath
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.routing import APIRoute
-from fastapi.security import HTTPAuthorizationCredentials
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import MutableHeaders
 from starlette.routing import Match
-from starlette.types import Scope
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.deps import BEARER, COOKIE, TOKEN_COOKIE, AuthDep, JobsDep, SweepsDep, get_current_user
+from api.deps import (
+    SESSION_COOKIE,
+    AuthDep,
+    JobsDep,
+    SweepsDep,
+    authenticate_request,
+    csrf_token,
+    is_same_origin,
+)
 from api.limits import JobId
 from api.routes.compare import JOB_LIST_PATTERN, parse_job_list
 from api.schemas import CheckpointPublic, ComparePublic, EventPublic, JobPublic, SweepPublic
-from service.auth import Auth, User
-from service.contract.errors import InvalidSpec, Unauthenticated
+from service.auth import SESSION_TTL_S, Auth, User
+from service.contract.errors import Forbidden, InvalidSpec, Unauthenticated
 from service.contract.spec import MAX_INT
 from service.contract.states import ACTIVE_STATES, JobState
 from service.jobs import QueueView
@@ -52,8 +62,18 @@ RUNNING_SHOWN = 100
 FINISHED_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.PRUNED)
 
 # Autoescape everything (Starlette's default only covers some file names).
+LOGIN_COOKIE = "apiary_login"  # the login form's CSRF token (double submit): set with the form
+
+
+def _csrf_context(request: Request) -> dict[str, Any]:
+    """Every page's `csrf_token` (in a meta tag, for its scripts' requests), from its web session."""
+    session_id = request.cookies.get(SESSION_COOKIE)
+    return {"csrf_token": csrf_token(session_id) if session_id else ""}
+
+
 templates = Jinja2Templates(
-    env=jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True)
+    env=jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True),
+    context_processors=[_csrf_context],
 )
 
 
@@ -113,14 +133,9 @@ class LoginRequired(Exception):
         self.next_path = next_path
 
 
-def get_page_user(
-    request: Request,
-    auth: AuthDep,
-    bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)],
-    cookie: Annotated[str | None, Depends(COOKIE)],
-) -> User:
+def get_page_user(request: Request, auth: AuthDep) -> User:
     try:
-        return get_current_user(auth, bearer, cookie)
+        return authenticate_request(auth, request)
     except Unauthenticated:
         raise LoginRequired(request.url.path) from None
 
@@ -140,44 +155,73 @@ async def login_required(_request: Request, error: Exception) -> Response:
     return RedirectResponse(f"/login?next={quote(error.next_path)}", status_code=303)
 
 
+def _cookie(response: Response, request: Request, name: str, value: str, *, max_age: int) -> None:
+    secure = request.url.scheme == "https"
+    response.set_cookie(name, value, httponly=True, samesite="strict", secure=secure, max_age=max_age)
+
+
 @login_router.get("/login", response_class=HTMLResponse)
 def login_page(request: Request, next: Annotated[str | None, Query()] = None) -> HTMLResponse:
-    return templates.TemplateResponse(request, "login.html", {"next": _safe_next(next), "error": None})
+    return _login_form(request, next_path=_safe_next(next), error=None)
+
+
+def _login_form(
+    request: Request, *, next_path: str, error: str | None, status_code: int = 200
+) -> HTMLResponse:
+    login_csrf = secrets.token_urlsafe(32)
+    context = {"next": next_path, "error": error, "login_csrf": login_csrf}
+    response = templates.TemplateResponse(request, "login.html", context, status_code=status_code)
+    _cookie(response, request, LOGIN_COOKIE, login_csrf, max_age=3600)
+    return response
 
 
 @login_router.post("/login", response_class=HTMLResponse)
 async def login(request: Request, auth: AuthDep) -> Response:
-    """Check the form's token; if good, keep it in an HttpOnly cookie and go on to `next`."""
+    """Check the form's token; if good, start a web session (its id in an HttpOnly cookie: the token
+    itself is kept nowhere in the browser) and go on to `next`. The form must come from this site:
+    a same-origin `Origin` and the form's own CSRF token (login CSRF would log a victim in as the
+    attacker)."""
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     token = (form.get("token") or [""])[0].strip()
     next_path = _safe_next((form.get("next") or ["/"])[0])
+    sent_csrf = (form.get("csrf") or [""])[0]
+    expected_csrf = request.cookies.get(LOGIN_COOKIE) or ""
+    if not is_same_origin(request, required=False) or not (
+        expected_csrf and hmac.compare_digest(sent_csrf, expected_csrf)
+    ):
+        error = "this login form did not come from this site, or it is stale: log in again from here"
+        return _login_form(request, next_path=next_path, error=error, status_code=403)
     try:
-        await run_in_threadpool(_check_token, auth, token)  # a database read: off the event loop
+        session_id = await run_in_threadpool(_start_session, auth, token)  # off the event loop
     except Unauthenticated as err:
-        context = {"next": next_path, "error": err.message}
-        return templates.TemplateResponse(request, "login.html", context, status_code=401)
+        return _login_form(request, next_path=next_path, error=err.message, status_code=401)
     response = RedirectResponse(next_path, status_code=303)
-    response.set_cookie(
-        TOKEN_COOKIE,
-        token,
-        httponly=True,
-        samesite="strict",
-        secure=request.url.scheme == "https",
-        max_age=30 * 86400,
-    )
+    _cookie(response, request, SESSION_COOKIE, session_id, max_age=SESSION_TTL_S)
+    response.delete_cookie(LOGIN_COOKIE, httponly=True, samesite="strict")
     return response
 
 
-def _check_token(auth: Auth, token: str) -> None:
+def _start_session(auth: Auth, token: str) -> str:
     if not token:
         raise Unauthenticated("paste an API token (`apiary token create NAME` makes one)")
-    auth.authenticate(token)
+    return auth.start_session(token)
 
 
 @login_router.post("/logout")
-def logout() -> Response:
+async def logout(request: Request, auth: AuthDep) -> Response:
+    """End the web session (server-side: its id stops working at once) and forget its cookie. The
+    form's CSRF token and a same-origin `Origin` are needed (another site may not log you out)."""
+    session_id = request.cookies.get(SESSION_COOKIE)
+    if session_id:
+        form = parse_qs((await request.body()).decode("utf-8", "replace"))
+        sent = (form.get("csrf_token") or [""])[0]
+        if not is_same_origin(request, required=True) or not hmac.compare_digest(
+            sent, csrf_token(session_id)
+        ):
+            raise Forbidden("a logout from another site, or a stale page: log out from this site's page")
+        await run_in_threadpool(auth.end_session, session_id)
     response = RedirectResponse("/login", status_code=303)
-    response.delete_cookie(TOKEN_COOKIE, httponly=True, samesite="strict")
+    response.delete_cookie(SESSION_COOKIE, httponly=True, samesite="strict")
     return response
 
 
@@ -299,6 +343,49 @@ def compare_page(
     return templates.TemplateResponse(request, "compare.html", context)
 
 
+# Every page: scripts, styles, images and connections from this site only, no inline script or style
+# attribute (apiary.js sets the few computed styles), and never inside another site's frame (the
+# Cancel and Preempt buttons must not be clickjacked). FastAPI's /docs and /redoc load Swagger UI and
+# ReDoc from their CDN and run an inline script: their policy allows that, and no framing either.
+PAGE_CSP = (
+    "default-src 'self'; base-uri 'none'; object-src 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+DOCS_CSP = (
+    "default-src 'self'; script-src 'self' 'unsafe-inline' https://cdn.jsdelivr.net; "
+    "style-src 'self' 'unsafe-inline' https://cdn.jsdelivr.net https://fonts.googleapis.com; "
+    "font-src https://fonts.gstatic.com; img-src 'self' data: https://fastapi.tiangolo.com "
+    "https://cdn.redoc.ly; worker-src blob:; base-uri 'none'; object-src 'none'; frame-ancestors 'none'"
+)
+DOCS_PATHS = ("/docs", "/redoc")
+EVERY_RESPONSE = [(b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"same-origin")]
+
+
+class SecurityHeaders:
+    """Adds the headers above: `nosniff` and `Referrer-Policy` to every response, the CSP and
+    `X-Frame-Options: DENY` to every HTML one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        docs = scope["path"].startswith(DOCS_PATHS)
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in EVERY_RESPONSE:
+                    headers[name.decode()] = value.decode()
+                if headers.get("content-type", "").startswith("text/html"):
+                    headers["Content-Security-Policy"] = DOCS_CSP if docs else PAGE_CSP
+                    headers["X-Frame-Options"] = "DENY"
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
 def sweep_page(
     request: Request,
@@ -331,6 +418,7 @@ def sweep_page(
 
 def install(app: FastAPI) -> None:
     """Add the pages (before the JSON routes they share a path with) and the static files."""
+    app.add_middleware(SecurityHeaders)
     app.include_router(router)
     app.include_router(login_router)
     app.add_exception_handler(LoginRequired, login_required)

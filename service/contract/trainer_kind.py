@@ -17,7 +17,8 @@ None and the job's driver decides. A name the source certainly does not define r
 What each kind honors of the spec (`kind_refusal`; the API refuses the rest with a 422 naming the
 field when it knows the kind at submission, else the job's driver fails the job with one line):
 - a recipe: everything; it needs `dataset`, `max_steps` and `batch_size`;
-- an own loop: `eval` is refused (it evaluates itself and reports the metrics with `ctx.report`);
+- an own loop: `eval` is refused (it evaluates itself and reports the metrics with `ctx.report`),
+  and so is an `on_anomaly` other than the default (it judges its own numerics);
 - a Ray Train function prepares its own model and chooses when to checkpoint: `strategy: fsdp`,
   `precision: bf16`, an `on_anomaly` other than the default, `eval`, and the checkpoint cadence
   (`checkpoint.every_steps`, `every_s`, `auto`, `async`) are refused; `checkpoint.keep_last` and
@@ -165,9 +166,7 @@ def kind_refusal(spec: JobSpec, kind: TrainerKind | None, *, given: Set[str] = f
                 return Refusal(name, f"required for trainer {spec.trainer} (a recipe)")
         return None
     if kind is TrainerKind.LOOP:
-        if spec.eval is not None:
-            return Refusal("eval", "an own loop evaluates itself: report its eval metrics with ctx.report")
-        return None
+        return _loop_refusal(spec)
     if kind is not TrainerKind.RAY_FUNCTION:
         return None
     own = "a Ray Train function prepares its own model"
@@ -200,3 +199,13 @@ def kind_refusal(spec: JobSpec, kind: TrainerKind | None, *, given: Set[str] = f
         ),
     ]
     return next((Refusal(name, message) for name, wrong, message in refused if wrong), None)
+
+
+def _loop_refusal(spec: JobSpec) -> Refusal | None:
+    """An own loop (`trainers.context`) honors strategy and precision (`ctx.parallelize`), the data
+    and `checkpoint.*` (`ctx.report`); it runs its own numerics and evaluation."""
+    if spec.on_anomaly is not AnomalyAction.ROLLBACK:
+        return Refusal("on_anomaly", "an own loop judges its own numerics: on_anomaly applies to recipes")
+    if spec.eval is not None:
+        return Refusal("eval", "an own loop evaluates itself: report its eval metrics with ctx.report")
+    return None

@@ -10,8 +10,8 @@ What held on every trace of the suite (benchmarks/traces, issue 27) with one con
    told to stop at their next periodic checkpoint (`Preemption.at_checkpoint`), so they lose only
    their restart. The fewest GPUs that make the head fit are chosen (on one node for a one-worker
    job), and jobs already stopping count as room: a head preempts once.
-3. Greedy for everything else. Then every other waiting job, full-scale and research beyond its
-   share, in submission order, starts as soon as it fits (no head of line blocks).
+3. Greedy for everything else. Then every other waiting job starts as soon as it fits (no head of
+   line blocks): research beyond its share first, then full-scale, each in submission order.
 4. Best-fit placement: each worker goes to the fullest node it fits on, keeping whole nodes free
    for large gangs.
 5. A full-scale job larger than full-scale's share that has waited `reserve_after_s` (4 h) gets a
@@ -37,6 +37,8 @@ class ShareFirst:
     """The one configuration (the queues file gives the share and the minimum run)."""
 
     reserve_after_s: float = 4 * 3600.0
+    # The greedy pass takes research jobs (beyond the share) before full-scale ones.
+    research_first: bool = True
 
 
 SHARE_FIRST = ShareFirst()
@@ -165,7 +167,8 @@ def decide_share_first(
     # 3. Greedy for everything else, in submission order.
     failed: set[int] = set()
     free_total = sum_resources(free)
-    for gang in sorted(order, key=lambda gang: (gang.submitted_at, gang.job_id)):
+    rank = (lambda gang: gang.queue != "research") if config.research_first else (lambda gang: False)
+    for gang in sorted(order, key=lambda gang: (rank(gang), gang.submitted_at, gang.job_id)):
         if gang.job_id in placements or gang.shape in failed:
             continue
         if fits(free_total, gang.totals) and start(gang):

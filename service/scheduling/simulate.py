@@ -1,7 +1,7 @@
 """Replay a job trace in simulated time through a scheduling policy (`service.scheduling.policy`), and make
 traces.
 
-    apiary simulate TRACE.csv --nodes 8 --node "CPU=32,GPU=8" --policy two-queue|fifo|greedy [--json]
+    apiary simulate TRACE.csv --nodes 8 --node "CPU=32,GPU=8" --policy share-first [--json]
     apiary simulate --generate 10000 --seed 1 > trace.csv
 
 No database and no Ray: the same `decide` the live scheduler calls, fed by an event loop. A trace is

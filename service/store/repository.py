@@ -37,6 +37,7 @@ from service.store.models import (
     OwnerUsage,
     SchedulerLease,
     Sweep,
+    WebSession,
     utcnow,
 )
 
@@ -900,11 +901,49 @@ def revoke_token(session: Session, token_id: int) -> ApiToken:
             )
     if token.revoked_at is None:
         token.revoked_at = utcnow()
+        session.execute(
+            update(WebSession)
+            .where(WebSession.token_id == token.id, WebSession.ended_at.is_(None))
+            .values(ended_at=token.revoked_at)
+        )
         logger.info(
             "API token revoked",
             extra={"action": "token_revoked", "token": {"id": token.id, "user": token.user_name}},
         )
     return token
+
+
+# -- web sessions (service.auth): only hashes are stored ------------------------------------------------
+
+
+def add_web_session(session: Session, *, token: ApiToken, session_hash: str, expires_at: datetime) -> None:
+    session.add(WebSession(token_id=token.id, session_hash=session_hash, expires_at=expires_at))
+    logger.info(
+        "web session started",
+        extra={"action": "web_login", "token": {"id": token.id, "user": token.user_name}},
+    )
+
+
+def find_web_session_token(session: Session, *, session_hash: str) -> ApiToken | None:
+    """The unrevoked token of an unended, unexpired web session."""
+    return session.scalars(
+        select(ApiToken)
+        .join(WebSession, WebSession.token_id == ApiToken.id)
+        .where(
+            WebSession.session_hash == session_hash,
+            WebSession.ended_at.is_(None),
+            WebSession.expires_at > utcnow(),
+            ApiToken.revoked_at.is_(None),
+        )
+    ).one_or_none()
+
+
+def end_web_session(session: Session, *, session_hash: str) -> None:
+    session.execute(
+        update(WebSession)
+        .where(WebSession.session_hash == session_hash, WebSession.ended_at.is_(None))
+        .values(ended_at=utcnow())
+    )
 
 
 # -- sweeps (service.sweeps) ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from service.auth import Auth
 from service.cluster import RayJobStatus
 from service.settings import Settings
 from tests.integration.conftest import Service
+from tests.support.sse import SseReader
 
 # No user needed: what monitoring reads (the health check, Prometheus' aggregate metrics) and the
 # trainers' telemetry (not a user's route).
@@ -86,7 +88,7 @@ def test_every_route_but_monitoring_and_telemetry_needs_a_valid_token(
     assert ("POST", "/jobs/{job_id}/cancel") in routes and ("PATCH", "/jobs/{job_id}") in routes
     assert len(routes) >= 18
     for method, path in routes:
-        url = path.format(job_id=job["id"], token_id=1, sha256="0" * 64)
+        url = path.format(job_id=job["id"], token_id=1, sha256="0" * 64, sweep_id=1)
         for client in (people.nobody, people.stranger):
             response = client.request(method, url)
             assert response.status_code == 401, (method, path, response.text)
@@ -316,37 +318,169 @@ def test_a_request_without_a_valid_token_is_refused_before_its_body_is_read(
     assert status_before_the_body(service, "POST", telemetry, length=1000, headers=own) is None
 
 
-def test_the_web_view_logs_in_with_a_token_in_an_httponly_cookie(
+def messages_until_closed(reader: SseReader, *, within_s: float) -> list[str]:
+    """The events a stream sends until the server closes it (which must happen within `within_s`)."""
+    deadline = time.monotonic() + within_s
+    events = []
+    while (message := reader.next(timeout_s=max(0.1, deadline - time.monotonic()))) is not None:
+        events.append(message.event)
+    return events
+
+
+def test_revoking_a_token_ends_its_open_streams(
     service: Service, people: People, spec: dict[str, Any]
 ) -> None:
-    html = {"Accept": "text/html"}
+    job = submit(people.ada, spec)
+    created = people.root.post("/admin/tokens", json={"user": "carol"}).json()
+    bearer = {"Authorization": f"Bearer {created['token']}"}
+    base = str(service.http.base_url)
+    streams = [
+        SseReader(base, path, headers=bearer) for path in ("/queues/stream", f"/jobs/{job['id']}/stream")
+    ]
+    try:
+        assert [m.event for m in streams[0].until("queues")] == ["queues"]
+        assert [m.event for m in streams[1].until("event")] == ["state", "event"]  # the job was queued
+        assert people.root.delete(f"/admin/tokens/{created['id']}").status_code == 200
+        submit(people.ada, spec)  # something new for the queues stream to send
+        for stream in streams:
+            # Closed within the re-check period (5 s), and nothing more sent after the revocation.
+            assert messages_until_closed(stream, within_s=7) == []
+        assert SseReader(base, "/queues/stream", headers=bearer).status_code == 401
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+HTML = {"Accept": "text/html"}
+
+
+def log_in(browser: httpx.Client, token: str, *, next_path: str = "/") -> httpx.Response:
+    """Log `browser` in as a browser does: the form (its CSRF token), then its post from this site."""
+    form = browser.get("/login", headers=HTML)
+    found = re.search(r'name="csrf" value="([^"]+)"', form.text)
+    assert form.status_code == 200 and found, form.text
+    origin = {"Origin": str(browser.base_url).rstrip("/")}
+    return browser.post(
+        "/login", data={"token": token, "next": next_path, "csrf": found.group(1)}, headers=origin
+    )
+
+
+def page_csrf(browser: httpx.Client, path: str) -> str:
+    page = browser.get(path, headers=HTML)
+    found = re.search(r'<meta name="csrf-token" content="([^"]+)"', page.text)
+    assert page.status_code == 200 and found, page.text
+    return found.group(1)
+
+
+def test_the_web_view_logs_in_to_a_server_side_session(
+    service: Service, people: People, spec: dict[str, Any]
+) -> None:
     job = submit(people.ada, spec)
     browser = service.as_user(None)
-    away = browser.get(f"/jobs/{job['id']}", headers=html)
+    away = browser.get(f"/jobs/{job['id']}", headers=HTML)
     assert away.status_code == 303 and away.headers["location"] == f"/login?next=/jobs/{job['id']}"
-    form = browser.get(away.headers["location"], headers=html)
-    assert form.status_code == 200 and 'name="token"' in form.text
-    wrong = browser.post("/login", data={"token": "apiary_wrong", "next": "/"})
+    wrong = log_in(browser, "apiary_wrong")
     assert wrong.status_code == 401 and "unknown or revoked" in wrong.text
-    assert "apiary_token" not in wrong.headers.get("set-cookie", "")
+    assert "apiary_session" not in wrong.headers.get("set-cookie", "")
 
-    logged_in = browser.post("/login", data={"token": people.tokens["bob"], "next": f"/jobs/{job['id']}"})
+    logged_in = log_in(browser, people.tokens["bob"], next_path=f"/jobs/{job['id']}")
     assert logged_in.status_code == 303 and logged_in.headers["location"] == f"/jobs/{job['id']}"
     cookie = logged_in.headers["set-cookie"].lower()
-    assert "apiary_token=" in cookie and "httponly" in cookie and "samesite=strict" in cookie
-    page = browser.get(f"/jobs/{job['id']}", headers=html)
+    assert "apiary_session=" in cookie and "httponly" in cookie and "samesite=strict" in cookie
+    session_id = browser.cookies["apiary_session"]
+    assert (
+        people.tokens["bob"] not in logged_in.headers["set-cookie"]
+        and session_id not in people.tokens.values()
+    )
+    page = browser.get(f"/jobs/{job['id']}", headers=HTML)
     assert page.status_code == 200 and "bob" in page.text
     assert re.search(r'<button id="cancel"[^>]*disabled', page.text)  # not bob's job
-    assert browser.post(f"/jobs/{job['id']}/cancel").status_code == 403  # the buttons' route, by cookie
+    same_site = {"Origin": str(browser.base_url).rstrip("/"), "X-CSRF-Token": page_csrf(browser, "/")}
+    assert browser.post(f"/jobs/{job['id']}/cancel", headers=same_site).status_code == 403  # not bob's
 
     browser.cookies.clear()
-    owner = browser.post("/login", data={"token": people.tokens["ada"], "next": "//evil.example/"})
+    owner = log_in(browser, people.tokens["ada"], next_path="//evil.example/")
     assert owner.headers["location"] == "/"  # only a path on this site
-    page = browser.get(f"/jobs/{job['id']}", headers=html)
+    page = browser.get(f"/jobs/{job['id']}", headers=HTML)
     assert not re.search(r'<button id="cancel"[^>]*disabled', page.text)
-    assert browser.post(f"/jobs/{job['id']}/cancel").json()["state"] == "cancelled"
-    browser.post("/logout")
-    assert browser.get("/", headers=html).status_code == 303
+    same_site = {"Origin": str(browser.base_url).rstrip("/"), "X-CSRF-Token": page_csrf(browser, "/")}
+    assert browser.post(f"/jobs/{job['id']}/cancel", headers=same_site).json()["state"] == "cancelled"
+    session_id = browser.cookies["apiary_session"]
+    logout = browser.post(
+        "/logout", data={"csrf_token": same_site["X-CSRF-Token"]}, headers={"Origin": same_site["Origin"]}
+    )
+    assert logout.status_code == 303
+    assert browser.get("/", headers=HTML).status_code == 303
+    # The session ended on the server: its id, replayed, is refused.
+    replay = service.as_user(None)
+    replay.cookies.set("apiary_session", session_id)
+    assert replay.get("/me").status_code == 401
+
+
+def test_revoking_a_token_ends_its_web_sessions(service: Service, people: People) -> None:
+    created = people.root.post("/admin/tokens", json={"user": "carol"}).json()
+    browser = service.as_user(None)
+    assert log_in(browser, created["token"]).status_code == 303
+    assert browser.get("/me").json() == {"user": "carol", "admin": False}
+    people.root.delete(f"/admin/tokens/{created['id']}")
+    assert browser.get("/me").status_code == 401
+    assert browser.get("/", headers=HTML).status_code == 303  # back to the login form
+
+
+def test_cookie_requests_that_change_something_need_this_site_and_the_csrf_token(
+    service: Service, people: People, spec: dict[str, Any]
+) -> None:
+    job = submit(people.ada, spec)
+    browser = service.as_user(None)
+    assert log_in(browser, people.tokens["ada"]).status_code == 303
+    here = str(browser.base_url).rstrip("/")
+    csrf = page_csrf(browser, "/")
+    cancel = f"/jobs/{job['id']}/cancel"
+    for why, headers in {
+        "another site's Origin": {"Origin": "http://evil.example", "X-CSRF-Token": csrf},
+        "another port of this host": {"Origin": here.rsplit(":", 1)[0] + ":1", "X-CSRF-Token": csrf},
+        "a cross-site fetch": {"Sec-Fetch-Site": "same-site", "X-CSRF-Token": csrf},
+        "no Origin at all": {"X-CSRF-Token": csrf},
+        "no CSRF token": {"Origin": here},
+        "a wrong CSRF token": {"Origin": here, "X-CSRF-Token": "0" * 64},
+    }.items():
+        response = browser.post(cancel, headers=headers)
+        assert response.status_code == 403, (why, response.text)
+    assert people.ada.get(f"/jobs/{job['id']}").json()["state"] == "queued"
+    # Login CSRF: a form posted from elsewhere, or without the form's own token, logs nobody in.
+    stranger = service.as_user(None)
+    forged = stranger.post(
+        "/login", data={"token": people.tokens["bob"], "next": "/"}, headers={"Origin": here}
+    )
+    assert forged.status_code == 403 and "apiary_session" not in forged.headers.get("set-cookie", "")
+    form = stranger.get("/login", headers=HTML)
+    token = re.search(r'name="csrf" value="([^"]+)"', form.text)
+    assert token is not None
+    forged = stranger.post(
+        "/login",
+        data={"token": people.tokens["bob"], "next": "/", "csrf": token.group(1)},
+        headers={"Origin": "http://evil.example"},
+    )
+    assert forged.status_code == 403 and "apiary_session" not in forged.headers.get("set-cookie", "")
+    # A bearer token needs neither (a browser cannot send one across sites).
+    assert people.ada.post(cancel, headers={"Origin": "http://evil.example"}).status_code == 200
+
+
+def test_every_page_forbids_framing_and_sniffing(
+    service: Service, people: People, spec: dict[str, Any]
+) -> None:
+    job = submit(people.ada, spec)
+    browser = service.as_user(None)
+    log_in(browser, people.tokens["ada"])
+    for path in ("/login", "/", f"/jobs/{job['id']}", f"/jobs/{job['id']}?part=live", "/docs"):
+        response = (service.as_user(None) if path == "/login" else browser).get(path, headers=HTML)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/html"), path
+        csp = response.headers["content-security-policy"]
+        assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp, path
+        assert response.headers["x-content-type-options"] == "nosniff", path
+        assert response.headers["referrer-policy"] == "same-origin", path
+        assert response.headers["x-frame-options"] == "DENY", path
+    assert "style=" not in browser.get(f"/jobs/{job['id']}", headers=HTML).text  # no inline style to allow
 
 
 def test_apiary_token_create_list_and_revoke_on_the_database(
@@ -399,7 +533,7 @@ def test_tokens_never_reach_the_logs(
     people.bob.post(f"/jobs/{job['id']}/cancel")  # refused: logged or not, without the token
     people.stranger.get("/jobs")
     created = people.root.post("/admin/tokens", json={"user": "dan"}).json()
-    service.as_user(None).post("/login", data={"token": created["token"], "next": "/"})
+    log_in(service.as_user(None), created["token"])
     people.root.delete(f"/admin/tokens/{created['id']}")
     service.as_user(created["token"]).get("/jobs")  # revoked
     secrets = [*people.tokens.values(), created["token"], "apiary_" + "x" * 43]

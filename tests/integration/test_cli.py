@@ -229,3 +229,31 @@ def test_the_config_file_gives_the_url_and_the_token(apiary: Any, service: Servi
     assert result.exit_code == 0 and json.loads(result.stdout)["count"] == 0
     refused = apiary("jobs", "--json")  # no token, now that one exists
     assert refused.exit_code == 1 and "Send an API token" in refused.output
+
+
+def test_submit_with_code_ships_the_folder_and_a_bad_folder_exits_2(
+    apiary: Any, spec_file: Path, service: Service, tmp_path: Path
+) -> None:
+    code = tmp_path / "code"
+    (code / "labcode").mkdir(parents=True)
+    (code / "labcode" / "__init__.py").write_text("")
+    (code / "labcode" / "train.py").write_text("def train(config):\n    pass\n")
+    spec = yaml.safe_load(spec_file.read_text())
+    own = {"name": "own-code", "trainer": "labcode.train:train", "num_workers": 1, "dataset": spec["dataset"]}
+    spec_file.write_text(yaml.safe_dump(own))
+    shipped = apiary("submit", str(spec_file), "--code", str(code), "--json")
+    assert shipped.exit_code == 0, shipped.output
+    assert json.loads(shipped.stdout)["spec"]["code"].startswith("sha256:")
+    # Over the limit: refused before anything is sent (a sparse file: its size, not its bytes).
+    with (code / "weights.bin").open("wb") as weights:
+        weights.truncate(101 * 2**20)
+    too_large = apiary("submit", str(spec_file), "--code", str(code))
+    assert too_large.exit_code == 2, too_large.output
+    assert "APIARY_CODE_MAX_BYTES" in too_large.stderr and "weights.bin" in too_large.stderr
+    (code / "weights.bin").unlink()
+    (code / "trainers").mkdir()
+    (code / "trainers" / "__init__.py").write_text("")
+    shadowing = apiary("submit", str(spec_file), "--code", str(code))
+    assert shadowing.exit_code == 2 and "`trainers` package" in shadowing.stderr, shadowing.output
+    assert "Traceback" not in too_large.output + shadowing.output
+    assert service.count() == 1

@@ -6,6 +6,7 @@ A forged report is refused and changes nothing."""
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ from sqlalchemy import select
 from service.cluster import RayJobStatus
 from service.contract.handoff import token_hash
 from service.contract.protocol import LAUNCH_ENV_VAR
+from service.jobs import FINAL_REPORT_GRACE_S
 from service.store.models import Job
 from tests.integration.conftest import Service
 
@@ -157,3 +159,49 @@ def test_the_token_is_neither_in_the_environment_nor_in_the_database(
     with service.runtime.db.session() as session:
         stored = session.scalars(select(Job.report_token_hash).where(Job.id == job_id)).one()
     assert stored == token_hash(token) and token not in (stored or "")
+
+
+def test_a_finished_jobs_report_token_is_dead(service: Service, spec: dict[str, Any]) -> None:
+    job_id, submission_id, token = running_job(service, spec)
+    own = service.checkpoint_uri(job_id, "checkpoint_00000010")
+    assert post(service, job_id, batch(checkpoint=own), token).status_code == 202
+    service.backend.statuses[submission_id] = RayJobStatus.SUCCEEDED
+    service.tick()
+    assert service.job(job_id)["state"] == "succeeded"
+    before = what_reports_change(service, job_id)
+    late = {
+        **batch(step=20, checkpoint=service.checkpoint_uri(job_id, "checkpoint_00000020")),
+        "events": [{"rank": 0, "step": 20, "time": 1.0, "kind": "late", "message": "after the end"}],
+    }
+
+    # Within FINAL_REPORT_GRACE_S of the end, a post of the final attempt with its token is taken as a
+    # retry of its final report (the first copy arrived before the job ended): answered 202 and told
+    # to exit, and nothing of it is stored.
+    retry = post(service, job_id, late, token)
+    assert retry.status_code == 202, retry.text
+    assert retry.json() == {"stored": 0, "stop": False, "superseded": True}
+    assert what_reports_change(service, job_id) == before
+
+    # After the window, and at any time for anything else (a wrong token, another attempt's number),
+    # it is refused, before its body is read.
+    assert post(service, job_id, batch(attempt=2), token).status_code == 401
+    assert post(service, job_id, late, "apiary_wrong").status_code == 401
+    with service.runtime.db.session() as session:
+        row = session.get(Job, job_id)
+        assert row is not None and row.finished_at is not None
+        row.finished_at -= timedelta(seconds=FINAL_REPORT_GRACE_S + 1)
+    refused = post(service, job_id, late, token)
+    assert refused.status_code == 403 and refused.json()["error"] == "AttemptSuperseded", refused.text
+    assert "ended" in refused.json()["message"]
+    assert what_reports_change(service, job_id) == before
+
+
+def test_a_given_up_attempt_writes_nothing_once_the_job_ended(service: Service, spec: dict[str, Any]) -> None:
+    job_id, first, old_token = running_job(service, spec)
+    service.backend.statuses[first] = RayJobStatus.MISSING
+    service.tick()  # attempt 1 given up: attempt 2 runs
+    assert service.http.post(f"/jobs/{job_id}/cancel").status_code == 200
+    before = what_reports_change(service, job_id)
+    refused = post(service, job_id, batch(attempt=1, step=11), old_token)
+    assert refused.status_code == 403 and refused.json()["error"] == "AttemptSuperseded", refused.text
+    assert what_reports_change(service, job_id) == before

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +160,67 @@ def test_with_tokens_the_browser_logs_in_and_cancels_its_own_job(
     expect(page.locator("#job-state")).to_have_text("cancelled", timeout=15_000)
     expect(page.locator("#events")).to_contain_text("cancelled by ada")
     assert page.evaluate("document.cookie") == ""  # the script cannot read the token
+
+
+ATTACKER_PAGE = """<!doctype html><html><body>
+<iframe id="framed" src="{base}/jobs/{job_id}" width="800" height="400"></iframe>
+<form id="forged" method="post" action="{base}/jobs/{job_id}/cancel" target="sink"></form>
+<iframe name="sink"></iframe>
+<script>
+  fetch("{base}/jobs/{job_id}/cancel", {{method: "POST", credentials: "include", mode: "no-cors"}});
+  fetch("{base}/jobs/{job_id}/cancel", {{method: "POST", credentials: "include", mode: "no-cors",
+    headers: {{"Content-Type": "text/plain"}}, body: "x"}});
+  document.getElementById("forged").submit();
+</script></body></html>"""
+
+
+@contextmanager
+def attacker_site(page_html: str) -> Iterator[str]:
+    """A page served on another port of the same host (the same site, for SameSite cookies): its URL."""
+    body = page_html.encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_page_on_another_port_of_the_host_cannot_cancel_a_job(
+    service: Service, page: Any, classification_dataset: str
+) -> None:
+    expect = playwright_api.expect
+    ada = service.token("ada")
+    job = service.as_user(ada).post("/jobs", json=spec(classification_dataset)).json()
+    base = str(service.http.base_url).rstrip("/")
+    page.goto(f"{base}/login")
+    page.fill("#token", ada)
+    page.click("button[type=submit]")
+    page.wait_for_url(base + "/")  # logged in: the browser holds ada's session cookie
+
+    with attacker_site(ATTACKER_PAGE.format(base=base, job_id=job["id"])) as evil:
+        page.goto(evil)
+        page.wait_for_timeout(2000)  # the form and both fetches have gone out and been answered
+        assert service.as_user(ada).get(f"/jobs/{job['id']}").json()["state"] == "queued"
+        # The framed job page is refused (frame-ancestors 'none'): no Cancel button to click through.
+        framed = next(frame for frame in page.frames if frame.name == "framed")
+        assert framed.query_selector("#cancel") is None
+    page.goto(f"{base}/jobs/{job['id']}")  # the session itself still works, from this site
+    page.locator("#cancel").click()
+    expect(page.locator("#job-state")).to_have_text("cancelled", timeout=15_000)
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

@@ -185,10 +185,15 @@ def test_the_images_commands_exist_and_parse() -> None:
 
 def test_the_dockerfile_builds_torch_from_the_pinned_cpu_wheel_by_default() -> None:
     assert len(re.findall(r"^FROM ", DOCKERFILE, re.MULTILINE)) >= 2, "multi-stage"
-    pin = next(dep for dep in PYPROJECT["project"]["dependencies"] if dep.startswith("torch=="))
+    pin = next(
+        dep for dep in PYPROJECT["project"]["optional-dependencies"]["cluster"] if dep.startswith("torch==")
+    )
     assert f"ARG TORCH_VERSION={pin.removeprefix('torch==')}" in DOCKERFILE
     assert "ARG TORCH_VARIANT=cpu" in DOCKERFILE
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}" in DOCKERFILE
+    # One image for the API and the Ray nodes: both extras (api/extras.py), unless built API-only.
+    assert "ARG APIARY_EXTRAS=server,cluster" in DOCKERFILE
+    assert 'RUN pip install ".[${APIARY_EXTRAS}]"' in DOCKERFILE
     for package in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]:
         folder = package.rstrip("*")
         assert f"COPY {folder} ./{folder}" in DOCKERFILE

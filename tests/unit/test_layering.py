@@ -59,6 +59,29 @@ def packages(names: set[str]) -> set[str]:
     return {name.split(".", 1)[0] for name in names}
 
 
+def test_nothing_inside_imports_the_public_package() -> None:
+    """`apiary` (the names users import) stands above api, service and trainers, never below them."""
+    for package in ("api", "service", "trainers"):
+        for module, names in imports_of(package).items():
+            assert "apiary" not in packages(names), module
+
+
+def test_the_public_package_imports_only_the_sdk_and_the_contract() -> None:
+    """At run time `apiary` imports api.extras alone (each public name is imported when first used);
+    for type checkers, the SDK, the contract, the recipe protocol and the training context."""
+    allowed = (
+        "api.client",
+        "api.schemas",
+        "api.extras",
+        *SHARED_PACKAGES,
+        "trainers.recipe",
+        "trainers.context",
+    )
+    for module, names in imports_of("apiary").items():
+        ours = {name for name in names if name.split(".")[0] in ("api", "service", "trainers")}
+        assert all(any(in_room(name, ok) for ok in allowed) for name in ours), (module, ours)
+
+
 def test_the_api_never_imports_the_trainers() -> None:
     for module, names in imports_of("api").items():
         assert "trainers" not in packages(names), module
@@ -205,10 +228,19 @@ CONTRACT = sorted(
 )
 
 
-@pytest.mark.parametrize("module", ["api.client", *CONTRACT, *SHARED_MODULES])
+# `apiary.Client`: what the public package's client name loads; api.cli: the `apiary` command, whose
+# client commands run with no extra installed (api/extras.py).
+@pytest.mark.parametrize(
+    "module", ["apiary", "apiary.Client", "api.cli", "api.client", *CONTRACT, *SHARED_MODULES]
+)
 def test_the_sdk_and_the_shared_modules_load_without_the_database_or_ray(module: str) -> None:
+    load = (
+        f"import apiary; apiary.{module.split('.')[1]}"
+        if module.startswith("apiary.")
+        else f"import {module}"
+    )
     probe = (
-        f"import sys, {module}; "
+        f"import sys; {load}; "
         "print(sorted(m for m in ('sqlalchemy', 'fastapi', 'ray', 'torch') if m in sys.modules))"
     )
     result = subprocess.run(

@@ -6,6 +6,7 @@ The only test module besides the door itself that may name Ray's private paths
 
 from __future__ import annotations
 
+import dataclasses
 import dis
 import inspect
 import re
@@ -20,6 +21,7 @@ from ray.train._internal.base_worker_group import BaseWorkerGroup
 from ray.train.v2._internal.callbacks import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.train.v2._internal.exceptions import UserExceptionWithTraceback, WorkerHealthCheckFailedError
+from ray.train.v2._internal.execution.context import TrainContext
 from ray.train.v2._internal.execution.failure_handling import FailureDecision
 from ray.train.v2._internal.execution.train_fn_utils import (
     TrainFnUtils,
@@ -27,6 +29,7 @@ from ray.train.v2._internal.execution.train_fn_utils import (
     set_train_fn_utils,
 )
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
+from ray.train.v2._internal.execution.worker_group.worker import RayTrainWorker
 from ray.train.v2.api import data_parallel_trainer
 from ray.train.v2.api.config import FailureConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
@@ -233,3 +236,12 @@ def test_intercept_report_hooks_report_and_leaves_the_rest_for_the_block() -> No
         set_train_fn_utils(None)
     assert seen == [{"loss": 1.0}]
     assert original.reports == [({"loss": 1.0}, None, "named", {"validation": False})]
+
+
+def test_a_workers_async_uploads_run_on_the_pool_ray_shuts_down_after_the_train_function() -> None:
+    """`wait_for_checkpoint_uploads` waits for the pool that ASYNC uploads run on, as Ray does once the
+    train function has returned."""
+    fields = {field.name: field for field in dataclasses.fields(TrainContext)}
+    assert "checkpoint_upload_threadpool" in fields
+    assert "checkpoint_upload_threadpool.submit" in inspect.getsource(TrainContext.report)
+    assert "checkpoint_upload_threadpool.shutdown()" in inspect.getsource(RayTrainWorker.run_train_fn)

@@ -112,24 +112,12 @@ def test_the_ranks_agree_on_the_root_anomaly() -> None:
     # Rank 1's NaN loss made every rank's (all-reduced) gradient norm NaN.
     rank0 = Anomaly(kind="nan", metric="grad_norm", step=7, rank=0, value=math.nan)
     rank1 = Anomaly(kind="nan", metric="loss", step=7, rank=1, value=math.nan)
-    rows = [encode(rank0, stop_requested=False), encode(rank1, stop_requested=False)]
-    verdict = decide(rows, step=7)
-    assert verdict.anomaly is not None and not verdict.stop_requested
-    assert verdict.anomaly.describe() == "loss is NaN at step 7 on rank 1"
+    verdict = decide([encode(rank0), encode(rank1)], step=7)
+    assert verdict is not None
+    assert verdict.describe() == "loss is NaN at step 7 on rank 1"
 
     spike = Anomaly(kind="spike", metric="grad_norm", step=7, rank=0, value=9.0, zscore=8.5)
     inf = Anomaly(kind="inf", metric="grad_norm", step=7, rank=2, value=math.inf)
-    verdict = decide(
-        [
-            encode(spike, stop_requested=False),
-            encode(None, stop_requested=True),
-            encode(inf, stop_requested=False),
-        ],
-        step=7,
-    )
-    assert verdict.stop_requested
-    assert verdict.anomaly == inf  # non-finite before a spike
-
-    verdict = decide([encode(spike, stop_requested=False), encode(None, stop_requested=False)], step=7)
-    assert verdict.anomaly == spike  # the z-score travels too
-    assert decide([encode(None, stop_requested=False)] * 2, step=7).anomaly is None
+    assert decide([encode(spike), encode(None), encode(inf)], step=7) == inf  # non-finite before a spike
+    assert decide([encode(spike), encode(None)], step=7) == spike  # the z-score travels too
+    assert decide([encode(None)] * 2, step=7) is None

@@ -171,6 +171,20 @@ def test_a_recipe_needs_its_data_steps_and_batch_size() -> None:
     assert refused == Refusal("dataset", "required for trainer lab.train:train_func (a recipe)")
 
 
+def test_an_own_loop_honors_strategy_precision_and_checkpoints_not_anomalies_or_eval() -> None:
+    honored = ray_function_spec(
+        strategy="fsdp", precision="bf16", checkpoint={"every_steps": 10, "auto": True}
+    )
+    assert kind_refusal(honored, TrainerKind.LOOP) is None
+    refused = kind_refusal(ray_function_spec(on_anomaly="warn"), TrainerKind.LOOP)
+    assert refused is not None and refused.field == "on_anomaly"
+    spec = ray_function_spec(
+        dataset={"uri": "file:///data/train"}, eval={"dataset": {"uri": "file:///data/eval"}}
+    )
+    refused = kind_refusal(spec, TrainerKind.LOOP)
+    assert refused is not None and refused.field == "eval"
+
+
 def test_an_own_loop_reports_its_own_eval() -> None:
     spec = ray_function_spec(eval={"dataset": {"uri": "file:///held-out"}})
     refused = kind_refusal(spec, TrainerKind.LOOP)

@@ -9,6 +9,16 @@
 
   function setLive(ok) { liveDot.className = ok ? "live" : "muted"; }
 
+  // The page's Content-Security-Policy refuses inline style attributes: bars and swatches carry their
+  // width or colour as data, set here (through the CSSOM, which the policy allows).
+  function applyStyles(root) {
+    for (const bar of root.querySelectorAll("[data-width]")) bar.style.width = `${bar.dataset.width}%`;
+    for (const swatch of root.querySelectorAll("[data-color]")) swatch.style.background = swatch.dataset.color;
+  }
+  applyStyles(document);
+  // Sent with every request that changes something (api.deps.check_same_site).
+  const csrfToken = (document.querySelector('meta[name="csrf-token"]') || {}).content || "";
+
   function liveUrl() {
     const params = new URLSearchParams(location.search);
     params.set("part", "live");
@@ -26,7 +36,9 @@
         try {
           const response = await fetch(liveUrl(), { headers: { Accept: "text/html" } });
           if (response.ok) {
-            document.getElementById("live").innerHTML = await response.text();
+            const live = document.getElementById("live");
+            live.innerHTML = await response.text();
+            applyStyles(live);
             if (after) after();
           }
         } catch (err) { /* the server is away for a moment: the next update retries */ }
@@ -225,7 +237,10 @@
       const error = document.getElementById("action-error");
       error.textContent = "";
       button.disabled = true;
-      const response = await fetch(`/jobs/${jobId}/${button.dataset.action}`, { method: "POST" });
+      const response = await fetch(`/jobs/${jobId}/${button.dataset.action}`, {
+        method: "POST",
+        headers: { "X-CSRF-Token": csrfToken },
+      });
       if (!response.ok) {
         let message = `${response.status}`;
         try { message = (await response.json()).message || message; } catch (err) { /* not JSON */ }
@@ -395,7 +410,10 @@
     if (cancel) {
       cancel.addEventListener("click", async () => {
         cancel.disabled = true;
-        const response = await fetch(`/sweeps/${document.body.dataset.sweep}/cancel`, { method: "POST" });
+        const response = await fetch(`/sweeps/${document.body.dataset.sweep}/cancel`, {
+          method: "POST",
+          headers: { "X-CSRF-Token": csrfToken },
+        });
         if (!response.ok) {
           let message = `${response.status}`;
           try { message = (await response.json()).message || message; } catch (err) { /* not JSON */ }
