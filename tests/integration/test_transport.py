@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from service.cluster import free_port
@@ -116,23 +118,37 @@ def test_a_token_in_a_query_string_is_redacted_from_the_access_log(
     assert "token=[redacted]" in lines[0] and "limit=5" in lines[1]
 
 
+def log_in_through_a_proxy(service: Service, *, scheme: str) -> httpx.Response:
+    """Log in as a browser behind a proxy that says `X-Forwarded-Proto: https` does: the form (its CSRF
+    token), then the post, from the origin the browser sees (`scheme`)."""
+    forwarded = {"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.9"}
+    token = service.token("ada", admin=True)  # from now on auth is required, and the form has a CSRF token
+    browser = service.as_user(None)
+    form = browser.get("/login", headers={**forwarded, "Accept": "text/html"})
+    found = re.search(r'name="csrf" value="([^"]+)"', form.text)
+    assert form.status_code == 200 and found, (form.status_code, form.text[-1500:])
+    origin = f"{scheme}://{browser.base_url.host}:{browser.base_url.port}"
+    data = {"token": token, "next": "/", "csrf": found.group(1)}
+    # The form's cookie, as the browser (on https) sends it back: httpx, on plain HTTP, would drop it.
+    cookie = "; ".join(f"{name}={value}" for name, value in form.cookies.items())
+    browser.cookies.clear()
+    return browser.post("/login", data=data, headers={**forwarded, "Origin": origin, "Cookie": cookie})
+
+
 def test_forwarded_headers_are_believed_only_from_the_named_proxies(
     start_service: Callable[..., Service],
 ) -> None:
-    service = start_service()
-    login = {"token": service.token("ada", admin=True)}
-    forwarded = {"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.9"}
     # The default, 127.0.0.1: the tests' proxy is loopback, so its word is taken (the cookie is Secure).
-    response = service.http.post("/login", data=login, headers=forwarded)
+    response = log_in_through_a_proxy(start_service(), scheme="https")
+    assert response.status_code == 303, response.text
     assert "secure" in response.headers["set-cookie"].lower(), response.headers
 
 
 def test_forwarded_headers_from_a_proxy_not_named_are_ignored(start_service: Callable[..., Service]) -> None:
     service = start_service(forwarded_allow_ips="192.0.2.1")  # the proxy is elsewhere: loopback is not it
-    login = {"token": service.token("ada", admin=True)}
-    forwarded = {"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.9"}
-    response = service.http.post("/login", data=login, headers=forwarded)
-    assert response.status_code == 303 and "secure" not in response.headers["set-cookie"].lower()
+    response = log_in_through_a_proxy(service, scheme="http")  # the request stays plain HTTP
+    assert response.status_code == 303, response.text
+    assert "secure" not in response.headers["set-cookie"].lower(), response.headers
 
 
 def test_a_storage_error_is_told_in_apiarys_words_and_logged_in_full(
