@@ -296,7 +296,7 @@ class _Run:
     @property
     def lost_s(self) -> float:
         """Seconds it held its gang without keeping the progress: restarts, checkpoints at a stop."""
-        return self.held_s - self.done_s if self.started_at is None else 0.0
+        return max(0.0, self.held_s - self.done_s) if self.started_at is None else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
