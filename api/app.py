@@ -8,11 +8,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 
 from api import errors
 from api.deps import AUTH_RESPONSES, RuntimeDep, get_current_user
 from api.gate import AuthenticateFirst
-from api.limits import BodyLimit
+from api.limits import BodyLimit, CleanText
 from api.routes import (
     auth,
     code,
@@ -28,6 +30,7 @@ from api.routes import (
     tracking,
 )
 from api.schemas import Alive, Health, error_responses
+from api.transport import BodyDeadline
 from api.web import views as web
 from service.contract.errors import ClusterUnavailable
 from service.runtime import Runtime
@@ -84,9 +87,15 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         lifespan=lifespan,
         # Any request: a body too large (api.limits), the database or Ray unreachable.
         responses=error_responses(413, 503),
+        # The schema and its pages follow the auth rule like every route (below), not FastAPI's open ones.
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     app.add_middleware(BodyLimit, code_max_bytes=runtime.settings.code_max_bytes)
+    app.add_middleware(BodyDeadline, timeout_s=runtime.settings.body_timeout_s)
     app.add_middleware(AuthenticateFirst)  # outside BodyLimit: no credential, no byte of the body read
+    app.add_middleware(CleanText)  # outermost: a path or query with a control character reaches nothing
     _standard_openapi(app)
     errors.install(app)
     web.install(app)  # first: its page at /jobs/{id} answers browsers, the JSON route everyone else
@@ -109,6 +118,18 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
     app.include_router(auth.router, responses=AUTH_RESPONSES)
     app.include_router(internal.router)
     app.include_router(metrics.router)
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(get_current_user)])
+    def openapi_schema() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=[Depends(get_current_user)])
+    def swagger_page() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="Apiary API")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=[Depends(get_current_user)])
+    def redoc_page() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title="Apiary API")
 
     @app.get("/healthz", response_model=Alive, tags=["health"])
     def healthz() -> Alive:

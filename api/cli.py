@@ -42,6 +42,12 @@ cli_sweeps.register(app)
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also show Ray's INFO log lines.")]
 
 
+def _private_files() -> None:
+    """Every file the service writes, and its local Ray's processes (which inherit this) write, is its
+    owner's alone (0600, folders 0700): the data dir holds tokens, logs and checkpoints."""
+    os.umask(0o077)
+
+
 def _need(command: str, *extras: str, why: str = "") -> None:
     """Exit 2, naming the extra to install, unless `extras` are installed."""
     absent = missing(*extras)
@@ -70,11 +76,19 @@ def _settings(**overrides: Any) -> Settings:
 def serve(
     host: Annotated[str | None, typer.Option(help="Interface to listen on [default: 127.0.0.1].")] = None,
     port: Annotated[int | None, typer.Option(help="Port to listen on [default: 8000].")] = None,
+    forwarded_allow_ips: Annotated[
+        str | None,
+        typer.Option(
+            help="Proxies whose X-Forwarded-For/-Proto are believed, comma-separated or '*' "
+            "[default: 127.0.0.1; env APIARY_FORWARDED_ALLOW_IPS]."
+        ),
+    ] = None,
     verbose: Verbose = False,
 ) -> None:
     """Start the API, the scheduler and (unless APIARY_RAY_ADDRESS is set) a local Ray."""
+    _private_files()
     _need("serve", "server")
-    settings = _settings(host=host, port=port)
+    settings = _settings(host=host, port=port, forwarded_allow_ips=forwarded_allow_ips)
     if settings.ray_address is None:
         _need("serve", "server", "cluster", why=" to run jobs on a local Ray (or set APIARY_RAY_ADDRESS)")
     from api import server
@@ -86,7 +100,7 @@ def serve(
     configure_logging(settings.log_format)
     os.environ.update(ray_client_env(settings))  # before Ray's first import (route_ray_logs)
     route_ray_logs(verbose=verbose)
-    server.serve(create_app(settings), host=settings.host, port=settings.port, log_format=settings.log_format)
+    server.serve(create_app(settings), settings)
 
 
 @app.command()
@@ -96,6 +110,7 @@ def demo(
     verbose: Verbose = False,
 ) -> None:
     """Write a small token dataset, start Apiary, train a tiny GPT on 2 workers, show progress."""
+    _private_files()
     _need("demo", "server", "cluster")
     from api import server
     from api.app import create_app
@@ -110,7 +125,7 @@ def demo(
     os.environ.update(ray_client_env(settings))  # before Ray's first import (route_ray_logs)
     route_ray_logs(verbose=verbose)
     cli_admin.refuse_unsafe_bind(settings)
-    dataset = settings.data_dir / "datasets" / "demo-tokens"
+    dataset = settings.datasets_dir / "demo-tokens"
     console.print(f"[bold]1.[/] writing a synthetic token dataset to {dataset}")
     write_demo_dataset(dataset)
     console.print(f"[bold]2.[/] starting Apiary on {settings.resolved_public_url} (SQLite, local Ray)")

@@ -11,7 +11,9 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from api.transport import server_config
 from service.runtime import Runtime
+from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +47,42 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(app: FastAPI, *, host: str, port: int, log_format: str = "text") -> None:
+def serve(app: FastAPI, settings: Settings) -> None:
     # uvicorn's own text handlers, or none: its loggers then reach the root's JSON handler.
-    log_config = None if log_format == "json" else uvicorn.config.LOGGING_CONFIG
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", log_config=log_config)
+    log_config = None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG
+    config = server_config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        log_config=log_config,
+        header_timeout_s=settings.header_timeout_s,
+        forwarded_allow_ips=settings.forwarded_allow_ips,
+    )
     DrainingServer(config, app).run()
 
 
 class BackgroundServer:
-    def __init__(self, app: FastAPI, *, host: str, port: int, log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        *,
+        host: str,
+        port: int,
+        log_level: str = "warning",
+        header_timeout_s: float = Settings.model_fields["header_timeout_s"].default,
+        forwarded_allow_ips: str = Settings.model_fields["forwarded_allow_ips"].default,
+    ) -> None:
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+        config = server_config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            header_timeout_s=header_timeout_s,
+            forwarded_allow_ips=forwarded_allow_ips,
+        )
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="apiary-api", daemon=True)
 
     def start(self, timeout_s: float = 120) -> None:

@@ -11,28 +11,44 @@ API's process).
 
 Datasets (`check_dataset`). A dataset URI must lie under one of the data roots
 (`Settings.data_roots`, `APIARY_DATA_ROOTS`: comma-separated `file:///abs/path` (or `/abs/path`)
-folders and `s3://bucket/prefix` prefixes, `s3://` for any bucket; default: the data dir and any
-`s3://`). A local path is resolved first (`..`, symlinks), so `file:///data/../etc` is `/etc`. Only
-then is it listed, bounded in files and depth (`service.contract.storage.list_shards`), in a worker thread
-that
-the request waits for at most `Settings.dataset_check_timeout_s`. "Not allowed" and "not found" give
-the same message, so that the answers cannot be used to map the API host's files.
+folders and `s3://bucket/prefix` prefixes, `s3://` for any bucket; default: the data dir's
+`datasets/` folder and any `s3://`). A local path is resolved first (`..`, symlinks), so
+`file:///data/../etc` is `/etc`. Only then is it listed, bounded in files and depth
+(`service.contract.storage.list_shards`), in a worker thread that the request waits for at most
+`Settings.dataset_check_timeout_s`; and every file the listing found is resolved in turn, so that a
+link inside an allowed folder (to a file or to a folder) that leads out of the roots refuses the
+dataset.
+
+Apiary's own places are never data, whatever the roots say (`OwnPlaces`): its data dir holds the
+database, the local Ray's token, temp folder and logs, and the default checkpoints with each attempt's
+report token, so only the data dir's `datasets/` folder may hold datasets; the local Ray's temp folder
+(outside the data dir when that path is long) is refused too, and so is any path through a handoff
+folder (`_apiary`, `service.contract.handoff`), local or in S3.
+
+"Not allowed" and "not found" give the same message, so that the answers cannot be used to map the
+API host's files. The check is made at submission: the trainers list the dataset again when the job
+runs, as the user the cluster runs them as.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from service.contract.errors import DatasetError, InvalidSpec
+from service.contract.handoff import HANDOFF_DIR
 from service.contract.protocol import find_module
 from service.contract.spec import BUILTIN_TRAINERS, DataFormat
 from service.contract.storage import MAX_LIST_DEPTH, MAX_LIST_ENTRIES, DatasetMissing, list_shards
+
+logger = logging.getLogger(__name__)
 
 # Listings of all submissions share these threads: a flood of slow listings waits in line (and times
 # out) instead of starting a thread each.
@@ -63,6 +79,24 @@ def check_trainer(trainer: str, *, allowed_modules: Sequence[str]) -> None:
 # -- datasets -------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, kw_only=True)
+class OwnPlaces:
+    """Local folders that are Apiary's own (`folders`: the data dir, the local Ray's temp folder), with
+    the ones inside them that hold data after all (`data_folders`: the data dir's `datasets/`)."""
+
+    folders: tuple[str, ...] = ()
+    data_folders: tuple[str, ...] = ()
+
+    def hold(self, location: str) -> bool:
+        """Whether `location` (resolved) is one of Apiary's own places, or passes through a handoff."""
+        if HANDOFF_DIR in location.split("/"):
+            return True
+        if location.startswith("s3://"):
+            return False
+        mine = any(_under(location, os.path.realpath(folder)) for folder in self.folders)
+        return mine and not any(_under(location, os.path.realpath(folder)) for folder in self.data_folders)
+
+
 def check_dataset(
     uri: str,
     *,
@@ -70,27 +104,51 @@ def check_dataset(
     data_format: DataFormat,
     s3_endpoint_url: str | None,
     timeout_s: float,
+    own: OwnPlaces = OwnPlaces(),
     max_entries: int = MAX_LIST_ENTRIES,
     max_depth: int = MAX_LIST_DEPTH,
     field: str = "dataset.uri",
 ) -> None:
-    """Raise `DatasetError` (naming `field`) unless `uri` lies under one of `roots`, exists and holds
-    shards of `data_format`, as found within `timeout_s` by a bounded listing."""
+    """Raise `DatasetError` (naming `field`) unless `uri` lies under one of `roots` and none of Apiary's
+    `own` places, exists and holds shards of `data_format` that all lie there too (links resolved), as
+    found within `timeout_s` by a bounded listing."""
     location = _resolved_location(uri)
-    if location is None or not any(_under(location, root) for root in _resolved_roots(roots)):
+    resolved_roots = _resolved_roots(roots)
+
+    def allowed(place: str) -> bool:
+        return any(_under(place, root) for root in resolved_roots) and not own.hold(place)
+
+    if location is None or not allowed(location):
         raise _not_available(uri, field=field)
-    future = _listing_pool.submit(
-        list_shards,
-        location if location.startswith("s3://") else Path(location).as_uri(),
-        data_format=data_format,
-        s3_endpoint_url=s3_endpoint_url,
-        max_entries=max_entries,
-        max_depth=max_depth,
-    )
+
+    def listed_files_allowed() -> bool:
+        files, _ = list_shards(
+            location if location.startswith("s3://") else Path(location).as_uri(),
+            data_format=data_format,
+            s3_endpoint_url=s3_endpoint_url,
+            max_entries=max_entries,
+            max_depth=max_depth,
+        )
+        if location.startswith("s3://"):
+            return not any(HANDOFF_DIR in file.split("/") for file in files)
+        return all(allowed(os.path.realpath(file)) for file in files)
+
+    future = _listing_pool.submit(listed_files_allowed)
     try:
-        future.result(timeout=timeout_s)
+        if not future.result(timeout=timeout_s):
+            raise _not_available(uri, field=field)
     except DatasetMissing:
         raise _not_available(uri, field=field) from None
+    except DatasetError as err:
+        if not isinstance(err.__cause__, OSError):
+            raise
+        # The storage's own text names endpoints and hosts: it goes to the log, not to the client.
+        logger.warning("%s", err.message, extra={"action": "dataset_unreadable"})
+        raise DatasetError(
+            f"dataset {uri} cannot be read from its storage: check the URI and that the service may read "
+            "it (the service's log has the storage's answer)",
+            field=field,
+        ) from None
     except FutureTimeout:
         future.cancel()
         raise DatasetError(

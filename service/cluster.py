@@ -453,7 +453,12 @@ class LocalRay:
     state_file: Path
 
     @classmethod
-    def start_or_reuse(cls, *, data_dir: Path, num_cpus: int, timeout_s: float = 90) -> LocalRay:
+    def start_or_reuse(
+        cls, *, data_dir: Path, num_cpus: int, job_env: Mapping[str, str] | None = None, timeout_s: float = 90
+    ) -> LocalRay:
+        """`job_env`: what every process of the cluster gets in its environment (the S3 credentials of
+        `Settings.job_aws_env`): the raylet's environment reaches each job's driver, Train workers and
+        Ray Data tasks, without passing through a job's runtime_env, which Ray writes to its logs."""
         state_file = data_dir / "ray_cluster.json"
         existing = cls._load(state_file)
         if existing is not None and existing.is_alive():
@@ -464,17 +469,27 @@ class LocalRay:
                 extra={"action": "ray_reused"},
             )
             return existing
-        return cls._start(data_dir=data_dir, state_file=state_file, num_cpus=num_cpus, timeout_s=timeout_s)
+        return cls._start(
+            data_dir=data_dir,
+            state_file=state_file,
+            num_cpus=num_cpus,
+            job_env=job_env or {},
+            timeout_s=timeout_s,
+        )
 
     @classmethod
-    def _start(cls, *, data_dir: Path, state_file: Path, num_cpus: int, timeout_s: float) -> LocalRay:
+    def _start(
+        cls, *, data_dir: Path, state_file: Path, num_cpus: int, job_env: Mapping[str, str], timeout_s: float
+    ) -> LocalRay:
         ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
         if ray_bin is None:
             raise ClusterUnavailable("the `ray` command is not installed in Apiary's environment")
         ports = {flag: free_port() for flag in _PORT_FLAGS}
-        temp_dir = _short_temp_dir(data_dir)
+        temp_dir = local_ray_temp_dir(data_dir)
         log_path = data_dir / "ray.log"
         data_dir.mkdir(parents=True, exist_ok=True)
+        temp_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        temp_dir.parent.chmod(0o700)
         auth_token_path = _ensure_auth_token(data_dir / LOCAL_RAY_TOKEN_FILE)
         command = [
             ray_bin,
@@ -490,7 +505,7 @@ class LocalRay:
         ]
         # Token auth on (Ray binds beyond loopback), with a token of this data dir's own: the
         # service's client and every job driver (which inherits the raylet's environment) use it.
-        env = local_ray_env(os.environ, auth_token_path=auth_token_path)
+        env = local_ray_env({**os.environ, **job_env}, auth_token_path=auth_token_path)
         with log_path.open("ab") as log:
             process = subprocess.Popen(
                 command,
@@ -609,11 +624,13 @@ def _ensure_auth_token(path: Path) -> Path:
     return path
 
 
-def _short_temp_dir(data_dir: Path) -> Path:
+def local_ray_temp_dir(data_dir: Path) -> Path:
     # Ray puts unix sockets at {temp_dir}/session_<date>_<pid>/sockets/dash_MetricsHead, which
     # adds ~67 bytes; a unix socket path may not exceed 107.
     preferred = data_dir / "ray"
     if len(str(preferred)) <= 36:
         return preferred
+    # Ray makes its temp folder 0777 (for several users of one machine): it goes one level below a
+    # folder of Apiary's own, 0700 like the data dir, through which nobody else reaches it.
     digest = hashlib.sha1(str(data_dir).encode()).hexdigest()[:10]
-    return Path("/tmp") / f"apiary-ray-{digest}"
+    return Path("/tmp") / f"apiary-ray-{digest}" / "ray"

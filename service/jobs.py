@@ -26,10 +26,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service import auth, compare, logs, tracking
-from service.allowlists import check_dataset, check_trainer
+from service.allowlists import OwnPlaces, check_dataset, check_trainer
 from service.auth import User
 from service.capacity import ClusterSnapshot, capacity_text, fits_empty_cluster, gang_for
-from service.cluster import ClusterBackend, stop_job
+from service.cluster import ClusterBackend, local_ray_temp_dir, stop_job
 from service.code import CodeStore, Incoming, sha256_of, trainer_in_code
 from service.contract.code import mib, read_package, shadowed
 from service.contract.errors import (
@@ -213,6 +213,15 @@ class JobService:
     def code(self) -> CodeStore:
         return CodeStore.of(self.settings)
 
+    def _own_places(self) -> OwnPlaces:
+        """What no dataset may be read from (service.allowlists): the data dir but its datasets/ folder,
+        and the local Ray's temp folder."""
+        data_dir = self.settings.data_dir
+        return OwnPlaces(
+            folders=(str(data_dir), str(local_ray_temp_dir(data_dir).parent)),
+            data_folders=(str(self.settings.datasets_dir),),
+        )
+
     def submit(self, spec: JobSpec, *, by: User) -> Job:
         """Check that the job can run, then queue it, owned by `by`. A refused job writes nothing.
 
@@ -295,6 +304,7 @@ class JobService:
                 data_format=spec.dataset.format,
                 s3_endpoint_url=self.settings.s3_endpoint_url,
                 timeout_s=self.settings.dataset_check_timeout_s,
+                own=self._own_places(),
             )
         if spec.eval is not None:
             check_dataset(
@@ -303,6 +313,7 @@ class JobService:
                 data_format=spec.eval.dataset.format,
                 s3_endpoint_url=self.settings.s3_endpoint_url,
                 timeout_s=self.settings.dataset_check_timeout_s,
+                own=self._own_places(),
                 field="eval.dataset.uri",
             )
         self._check_fits(spec)

@@ -79,7 +79,9 @@ class Runtime:
 
     def start(self) -> None:
         self.settings.queues  # noqa: B018 (a bad APIARY_QUEUES_FILE fails here, before anything starts)
-        self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        # The data dir holds the database, Ray's token and logs, checkpoints: its owner's alone.
+        self.settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.settings.data_dir.chmod(0o700)
         self.db = Database(self.settings.resolved_database_url)
         self.db.wait(self.settings.database_wait_s)
         if self.settings.migrate_on_start:
@@ -122,7 +124,9 @@ class Runtime:
                 self.settings.ray_address, auth_token=secret_value(self.settings.ray_auth_token)
             )
         self.local_ray = LocalRay.start_or_reuse(
-            data_dir=self.settings.data_dir, num_cpus=self.settings.local_ray_cpus
+            data_dir=self.settings.data_dir,
+            num_cpus=self.settings.local_ray_cpus,
+            job_env=self.settings.job_aws_env(),
         )
         backend = RayBackend(self.local_ray.dashboard_url, auth_token_path=self.local_ray.auth_token_path)
         backend.wait_for_nodes()

@@ -130,6 +130,23 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    forwarded_allow_ips: str = Field(
+        default="127.0.0.1",
+        description="Comma-separated addresses (or '*') of the proxies whose X-Forwarded-For and "
+        "X-Forwarded-Proto are believed (uvicorn's --forwarded-allow-ips): a TLS proxy elsewhere must be "
+        "named, or requests look like plain HTTP and the login cookie is not Secure.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A connection must send a whole request head (request line and headers) within this "
+        "of opening or of its previous response, else it is closed (slow clients hold no descriptor).",
+    )
+    body_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="A request's body must arrive whole within this of the request's start, else 408.",
+    )
     public_url: str | None = Field(
         default=None, description="How trainers reach this API; default http://{host}:{port}."
     )
@@ -223,7 +240,8 @@ class Settings(BaseSettings):
     data_roots: str | None = Field(
         default=None,
         description="Comma-separated file:///abs/path folders and s3://bucket/prefix prefixes ('s3://': any "
-        "bucket) a dataset may come from; default: the data dir and any s3:// (service.allowlists).",
+        "bucket) a dataset may come from; default: the data dir's datasets/ folder and any s3:// "
+        "(service.allowlists).",
     )
     dataset_check_timeout_s: float = Field(
         default=10.0, gt=0, description="How long a submission waits for its dataset's listing."
@@ -277,9 +295,14 @@ class Settings(BaseSettings):
         return _split(self.trainer_modules)
 
     @property
+    def datasets_dir(self) -> Path:
+        """The data dir's one folder that holds data (the demo's, by default the only data root)."""
+        return self.data_dir / "datasets"
+
+    @property
     def resolved_data_roots(self) -> tuple[str, ...]:
         if self.data_roots is None:
-            return (str(self.data_dir), "s3://")
+            return (str(self.datasets_dir), "s3://")
         return _split(self.data_roots)
 
     @cached_property

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.responses import StreamingResponse
 
 from api.deps import ADMIN_RESPONSES, OWNER_RESPONSES, CurrentUser, JobsDep, SchedulerDep
-from api.limits import JobId
+from api.limits import PRINTABLE_PATTERN, JobId
 from api.schemas import (
     CheckpointPublic,
     CheckpointsPublic,
@@ -73,7 +73,7 @@ def submit_job(
 def list_jobs(
     jobs: JobsDep,
     state: Annotated[list[JobState] | None, Query(description="Repeat to match several states.")] = None,
-    queue: Annotated[str | None, Query()] = None,
+    queue: Annotated[str | None, Query(max_length=255, pattern=PRINTABLE_PATTERN)] = None,
     offset: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> JobsPublic:

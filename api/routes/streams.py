@@ -24,7 +24,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import AuthDep, JobsDep, authenticate_request
-from api.limits import JobId
+from api.limits import PRINTABLE_PATTERN, JobId
 from api.schemas import (
     EventPublic,
     JobPublic,
@@ -263,7 +263,8 @@ async def stream_queues(
     jobs: JobsDep,
     auth: AuthDep,
     last_event_id: Annotated[
-        str, Query(max_length=32, description="Resume after this id (as Last-Event-ID).")
+        str,
+        Query(max_length=32, pattern=PRINTABLE_PATTERN, description="Resume after this id (Last-Event-ID)."),
     ] = "",
     last_event_id_header: Annotated[str, Header(alias="Last-Event-ID", max_length=32)] = "",
 ) -> EventSourceResponse:

@@ -22,7 +22,7 @@ SweepId = Annotated[int, Path(ge=1, le=MAX_INT, description="The sweep's id.")]
     "/sweeps",
     status_code=status.HTTP_201_CREATED,
     response_model=SweepPublic,
-    responses=error_responses(403, 422),
+    responses=error_responses(400, 403, 422),
 )
 def create_sweep(
     spec: SweepSpec, sweeps: SweepsDep, user: CurrentUser, scheduler: SchedulerDep

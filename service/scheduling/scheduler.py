@@ -880,10 +880,11 @@ class Scheduler:
         env_vars = {
             **launch_env(pointer),
             **self.settings.job_ray_env(),
-            # S3 credentials for the driver, the Train workers and the Ray Data tasks, on every node.
-            # They go in the runtime_env only, never in the launch request (which Ray Train logs and
-            # stores) nor in any log line here.
-            **self.settings.job_aws_env(),
+            # S3 credentials for the driver, the Train workers and the Ray Data tasks, on every node
+            # of an external cluster (never in the launch request, nor in any log line here). Ray's
+            # runtime_env agent logs a job's runtime_env on each node: the local Ray has them in its
+            # own environment instead (service.cluster.LocalRay), which its jobs inherit.
+            **(self.settings.job_aws_env() if self.settings.ray_address else {}),
         }
         working_dir = None
         if launch.request.spec.code is not None:

@@ -29,6 +29,7 @@ class Served:
     data_dir: Path
     process: subprocess.Popen[bytes]
     log: Path
+    database_url: str
 
     def ray_state(self) -> dict[str, str]:
         state: dict[str, str] = json.loads((self.data_dir / "ray_cluster.json").read_text())
@@ -80,7 +81,9 @@ def start_serve(
         process = subprocess.Popen(
             [apiary_bin(), "serve", "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT
         )
-    served = Served(url=f"http://127.0.0.1:{port}", data_dir=data_dir, process=process, log=log)
+    served = Served(
+        url=f"http://127.0.0.1:{port}", data_dir=data_dir, process=process, log=log, database_url=database_url
+    )
 
     def healthy() -> bool:
         if process.poll() is not None:
@@ -108,13 +111,19 @@ def stop_serve(served: Served, timeout_s: float = 90) -> None:
 
 
 @contextlib.contextmanager
-def serving(root: Path, *, env: dict[str, str] | None = None) -> Iterator[Served]:
+def serving(root: Path, *, env: dict[str, str] | None = None, timeout_s: float = 120) -> Iterator[Served]:
     """A service + local Ray on a fresh PostgreSQL database (the production database)."""
     from tests.conftest import _fresh_postgres_database
 
     database = _fresh_postgres_database()
     database_url = next(database)
-    served = start_serve(data_dir=root / "data", database_url=database_url, log=root / "serve.log", env=env)
+    served = start_serve(
+        data_dir=root / "data",
+        database_url=database_url,
+        log=root / "serve.log",
+        env=env,
+        timeout_s=timeout_s,
+    )
     try:
         yield served
     finally:

@@ -111,7 +111,12 @@ def start_service(database_url: str, tmp_path: Path) -> Iterator[Callable[..., S
         runtime = Runtime(config, backend=backend, run_scheduler=run_scheduler)
         # Bound where `host` says (0.0.0.0 in the fail-closed test), reached on 127.0.0.1 only.
         server = BackgroundServer(
-            create_app(runtime=runtime), host=config.host, port=port, log_level=log_level
+            create_app(runtime=runtime),
+            host=config.host,
+            port=port,
+            log_level=log_level,
+            header_timeout_s=config.header_timeout_s,
+            forwarded_allow_ips=config.forwarded_allow_ips,
         )
         server.start()
         servers.append(server)

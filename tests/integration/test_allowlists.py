@@ -4,7 +4,9 @@ bounds. Every refusal is a 422 naming the field, and writes nothing."""
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -14,8 +16,10 @@ import pytest
 from api.demo import classification_table, write_shards
 from service import allowlists
 from service.allowlists import check_dataset, check_trainer
+from service.cluster import local_ray_temp_dir
 from service.contract.errors import DatasetError, InvalidSpec
 from service.contract.spec import DataFormat
+from service.settings import Settings
 from tests.integration.conftest import Service
 
 # The fields of this module's `spec` (tests/integration/conftest.py) that differ from
@@ -150,6 +154,80 @@ def test_a_slow_listing_times_out_off_the_request_thread(
     with pytest.raises(DatasetError, match=r"could not be checked within 0\.3 s"):
         check(tmp_path.as_uri(), [str(tmp_path)], timeout_s=0.3)
     assert time.monotonic() - started < 1.5
+
+
+def write_dataset(folder: Path) -> Path:
+    write_shards(
+        classification_table(num_rows=32, num_features=8, num_classes=3), folder.as_uri(), num_shards=2
+    )
+    return folder
+
+
+def test_a_symlink_inside_a_dataset_that_leaves_the_roots_is_refused(
+    service: Service, spec: dict[str, Any], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Each listed file is resolved: a link (to a file or to a folder) below an allowed folder that
+    points outside the roots refuses the dataset; a link that stays inside is fine."""
+    outside = write_dataset(tmp_path_factory.mktemp("elsewhere") / "secret")
+    shard = next(outside.glob("*.parquet"))
+    by_file = write_dataset(tmp_path / "by-file")
+    (by_file / "zz-extra.parquet").symlink_to(shard)
+    by_folder = write_dataset(tmp_path / "by-folder")
+    (by_folder / "more").symlink_to(outside)
+    for folder in (by_file, by_folder):
+        message = refused(service, {**spec, "dataset": {"uri": folder.as_uri()}}, "dataset.uri")
+        assert "is not under a data root" in message
+    within = write_dataset(tmp_path / "within")
+    (within / "more").symlink_to(write_dataset(tmp_path / "other-inside"))
+    assert service.submit({**spec, "dataset": {"uri": within.as_uri()}})["state"] == "queued"
+
+
+def test_apiarys_own_folders_are_never_datasets_even_under_a_root(
+    start_service: Any, spec: dict[str, Any], tmp_path: Path
+) -> None:
+    """The data dir holds Apiary's own files (the database, Ray's token, temp folder and logs, the
+    handoffs with each attempt's report token): only its `datasets/` folder may hold data, whatever
+    the roots say, and a handoff folder (`_apiary`) is never data, wherever storage is. The temp root
+    of the system (which holds the local Ray's temp folder when the data dir's path is long) is a root
+    here, as in tests/e2e."""
+    service = start_service(data_roots=f"{tempfile.gettempdir()},s3://")
+    data_dir = service.runtime.settings.data_dir
+    ray_temp = local_ray_temp_dir(data_dir)
+    try:
+        places = [
+            data_dir / "ray_auth_token",
+            data_dir / "ray.log",
+            data_dir / "logs",
+            data_dir / "checkpoints" / "job-1" / "_apiary" / "attempt-1",
+            ray_temp / "session_latest" / "logs",
+            tmp_path / "elsewhere-storage" / "job-1" / "_apiary" / "attempt-1",
+        ]
+        for place in places:
+            if place.suffix or place.name == "ray_auth_token":
+                place.parent.mkdir(parents=True, exist_ok=True)
+                place.write_bytes(b"PAR1 not really")
+                uris = [place.as_uri()]
+            else:
+                write_dataset(place)
+                uris = [place.as_uri(), next(place.glob("*.parquet")).as_uri()]
+            for uri in uris:
+                message = refused(service, {**spec, "dataset": {"uri": uri}}, "dataset.uri")
+                assert "is not under a data root" in message, (uri, message)
+        # A link from an allowed place into them is refused too.
+        (tmp_path / "innocent").mkdir()
+        (tmp_path / "innocent" / "token.parquet").symlink_to(data_dir / "ray_auth_token")
+        refused(service, {**spec, "dataset": {"uri": (tmp_path / "innocent").as_uri()}}, "dataset.uri")
+        with pytest.raises(DatasetError, match="is not under a data root"):
+            check("s3://bucket/ckpt/job-1/_apiary/attempt-1/report-token", ["s3://"])
+        ok = write_dataset(data_dir / "datasets" / "mine")
+        assert service.submit({**spec, "dataset": {"uri": ok.as_uri()}})["state"] == "queued"
+    finally:
+        shutil.rmtree(ray_temp, ignore_errors=True)
+
+
+def test_the_default_data_root_is_the_data_dirs_datasets_folder(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path / "data")
+    assert settings.resolved_data_roots == (str(tmp_path / "data" / "datasets"), "s3://")
 
 
 def test_what_a_ray_function_cannot_honor_is_refused_by_name(service: Service, spec: dict[str, Any]) -> None:

@@ -42,6 +42,11 @@ parameters = {"query.follow" = false}
 include-path = "/internal/jobs/{job_id}/telemetry"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "403", "404", "409", "422"]
 
+# Its schema's pattern cannot say "2 to 20 different ids": a list of one id, or of one id repeated, is 422.
+[[operations]]
+include-path = "/compare"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "404", "422"]
+
 # A code package must be a zip whose sha256 is its path's, which no schema can say.
 [[operations]]
 include-path = "/code/{sha256}"

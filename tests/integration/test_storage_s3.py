@@ -99,9 +99,11 @@ def test_a_checkpoint_in_s3_loads_and_rebuilds_its_model(s3: S3, tmp_path: Path)
     assert load_checkpoint(local.as_uri())["step"] == 1
 
 
-def test_jobs_get_the_s3_endpoint_and_aws_variables_in_their_runtime_env_only(
+def test_jobs_of_an_external_cluster_get_the_aws_variables_in_their_runtime_env_only(
     s3: S3, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """On an external cluster (APIARY_RAY_ADDRESS) the runtime_env carries them; the local Ray has them
+    in its own environment instead (tests/e2e/test_secrets.py): Ray logs a job's runtime_env."""
     from service.runtime import Runtime
 
     uri = f"{s3.datasets_uri}/tokens"
@@ -109,7 +111,9 @@ def test_jobs_get_the_s3_endpoint_and_aws_variables_in_their_runtime_env_only(
         token_table(num_rows=8, seq_len=5, vocab_size=8), uri, num_shards=1, s3_endpoint_url=s3.endpoint_url
     )
     # Settings from the environment, as `apiary serve` reads it (the `s3` fixture set the variables).
-    settings = Settings(data_dir=tmp_path / "data", storage_uri=s3.checkpoints_uri)
+    settings = Settings(
+        data_dir=tmp_path / "data", storage_uri=s3.checkpoints_uri, ray_address="http://ray-head:8265"
+    )
     assert settings.s3_endpoint_url == s3.endpoint_url
     backend = FakeBackend()
     runtime = Runtime(settings, backend=backend, run_scheduler=False)

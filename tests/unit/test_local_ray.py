@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.cluster import LOCAL_RAY_ENV, _short_temp_dir, local_ray_env
+from service.cluster import LOCAL_RAY_ENV, local_ray_env, local_ray_temp_dir
 
 
 def test_ray_temp_dir_stays_short_enough_for_unix_sockets(tmp_path: Path) -> None:
-    assert _short_temp_dir(Path("/srv/apiary")) == Path("/srv/apiary/ray")
+    assert local_ray_temp_dir(Path("/srv/apiary")) == Path("/srv/apiary/ray")
     deep = tmp_path / ("x" * 80)
-    short = _short_temp_dir(deep)
-    assert len(str(short)) < 40 and short == _short_temp_dir(deep)  # stable, so a restart finds it
+    short = local_ray_temp_dir(deep)
+    assert len(str(short)) < 40 and short == local_ray_temp_dir(deep)  # stable, so a restart finds it
+    assert short.parent != Path("/tmp")  # Ray makes its folder 0777: Apiary's 0700 one holds it
 
 
 def test_local_ray_env_tunes_for_one_machine_unless_the_operator_says_otherwise(tmp_path: Path) -> None:
