@@ -70,13 +70,13 @@ import ray.util
 import torch
 from torch import nn
 
-from service.contract.handoff import loop_token
 from service.contract.protocol import GROUP_STARTED, LaunchRequest
 from service.contract.spec import JobSpec
 from trainers import startup
 from trainers.checkpoint import Checkpointer, Resume, Stateful, TrainParts, TrainState, seed_rank
 from trainers.data import DatasetInfo, RankBatches, iter_batches_for_rank
 from trainers.data_stream import Batch
+from trainers.loop_config import LoopConfig
 from trainers.parallel import autocast, parallelize, rank0_value
 from trainers.telemetry import Telemetry
 
@@ -445,17 +445,15 @@ def open_context(loop_config: dict[str, Any]) -> Iterator[TrainContext]:
 
     A normal exit completes the checkpoints (`_finish`, a collective); an exception leaves them.
     """
-    request = LaunchRequest.model_validate(loop_config["request"])
-    dataset = DatasetInfo.from_dict(loop_config["dataset"]) if loop_config["dataset"] is not None else None
+    config = LoopConfig.from_dict(loop_config)
+    request, dataset = config.request, config.dataset
     train_context = ray.train.get_context()
     rank, world_size = train_context.get_world_rank(), train_context.get_world_size()
     device = ray.train.torch.get_device()
     configure_logging(rank)
     with contextlib.ExitStack() as stack:
         telemetry = stack.enter_context(
-            Telemetry(
-                url=request.telemetry_url, attempt=request.attempt, rank=rank, token=loop_token(loop_config)
-            )
+            Telemetry(url=request.telemetry_url, attempt=request.attempt, rank=rank, token=config.token())
         )
         checkpointer = stack.enter_context(
             Checkpointer(

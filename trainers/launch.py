@@ -66,7 +66,7 @@ from ray.train.v2.api.config import FailureConfig
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
 from service.contract.errors import DatasetError, one_line
-from service.contract.handoff import LOOP_CONFIG_KEY, pointer_from_env, read_launch, read_token
+from service.contract.handoff import pointer_from_env, read_launch, read_token
 from service.contract.protocol import (
     LAUNCH_ENV_VAR,
     WORKER_FAILED,
@@ -90,6 +90,7 @@ from trainers.backend import ProcessGroupConfig
 from trainers.data import DatasetInfo, inspect_dataset
 from trainers.data_order import Slice
 from trainers.data_stream import build_epoch_dataset
+from trainers.loop_config import LoopConfig
 from trainers.ray_private import (
     ApiaryTrainer,
     install_failure_policy,
@@ -250,13 +251,10 @@ def run(request: LaunchRequest, *, pointer: LaunchPointer | None = None) -> RunR
     trainer = ApiaryTrainer(
         train_fn,
         # The handoff pointer, not the token: Ray Train keeps the loop config; each worker reads the
-        # token from storage (service.contract.handoff.loop_token).
-        train_loop_config={
-            "request": request.model_dump(mode="json"),
-            "dataset": dataset_info.to_dict() if dataset_info is not None else None,
-            "eval_dataset": eval_info.to_dict() if eval_info is not None else None,
-            LOOP_CONFIG_KEY: pointer.model_dump(mode="json") if pointer is not None else None,
-        },
+        # token from storage (trainers.loop_config.LoopConfig.token).
+        train_loop_config=LoopConfig(
+            request=request, dataset=dataset_info, eval_dataset=eval_info, handoff=pointer
+        ).to_dict(),
         backend_config=ProcessGroupConfig(backend="nccl" if spec.uses_gpu else "gloo"),
         scaling_config=build_scaling_config(spec),
         run_config=ray.train.RunConfig(

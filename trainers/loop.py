@@ -63,8 +63,8 @@ from trainers import startup
 from trainers.anomaly import Anomaly, AnomalyDetector, decide, encode
 from trainers.checkpoint import TrainParts
 from trainers.context import TrainContext, metric_values, open_context
-from trainers.data import DatasetInfo
 from trainers.evaluation import Evaluator
+from trainers.loop_config import LoopConfig
 from trainers.parallel import clip_grad_norm, gather_values
 from trainers.recipe import Recipe, RowShape, recipe_for, split_loss
 from trainers.telemetry import Telemetry
@@ -104,16 +104,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         parts = _build(ctx, trainer, row_shape=dataset.row_shape)
         startup.mark("ready")
 
+        eval_dataset = LoopConfig.from_dict(loop_config).eval_dataset
         evaluator = (
             Evaluator(
                 ctx.request,
-                DatasetInfo.from_dict(loop_config["eval_dataset"]),
+                eval_dataset,
                 trainer,
                 rank=rank,
                 world_size=ctx.world_size,
                 device=ctx.device,
             )
-            if loop_config.get("eval_dataset") is not None
+            if eval_dataset is not None
             else None
         )
         detector = AnomalyDetector.from_spec(spec.anomaly, rank=rank)

@@ -59,7 +59,6 @@ import ray.train
 import ray.train.collective
 import ray.util
 
-from service.contract.handoff import loop_token
 from service.contract.protocol import (
     GROUP_STARTED,
     MAX_METRIC_NAME_CHARS,
@@ -68,6 +67,7 @@ from service.contract.protocol import (
 )
 from service.contract.storage import checkpoint_uri
 from trainers.checkpoint import checkpoint_dir_name as dir_name_for
+from trainers.loop_config import LoopConfig
 from trainers.ray_private import intercept_report, wait_for_checkpoint_uploads
 from trainers.telemetry import Telemetry
 
@@ -206,10 +206,11 @@ class Reports:
 
 def run_ray_function(function: Callable[..., Any], loop_config: dict[str, Any]) -> None:
     """On a worker: run a Ray Train function with the spec's `config`, its reports seen by Apiary."""
-    request = LaunchRequest.model_validate(loop_config["request"])
+    config = LoopConfig.from_dict(loop_config)
+    request = config.request
     rank = ray.train.get_context().get_world_rank()
     with Telemetry(
-        url=request.telemetry_url, attempt=request.attempt, rank=rank, token=loop_token(loop_config)
+        url=request.telemetry_url, attempt=request.attempt, rank=rank, token=config.token()
     ) as telemetry:
         reports = Reports(request, telemetry=telemetry, rank=rank)
         resumed_from = reports.start()
