@@ -33,10 +33,18 @@ if TYPE_CHECKING:  # the names as type checkers see them (`X as X`: re-exported)
     from api.client import ApiaryUnauthorized as ApiaryUnauthorized
     from api.client import ApiaryUnavailable as ApiaryUnavailable
     from api.schemas import JobPublic
+    from service.contract.errors import DatasetError as DatasetError
     from service.contract.spec import JobSpec as JobSpec
     from service.contract.states import JobState as JobState
     from trainers.context import TrainContext as TrainContext
+    from trainers.recipe import Collate as Collate
     from trainers.recipe import Recipe as Recipe
+    from trainers.recipe import RowShape as RowShape
+    from trainers.recipe import first_row_length as first_row_length
+    from trainers.recipe import require_column as require_column
+    from trainers.recipe import require_list_column as require_list_column
+    from trainers.recipes import GPTCollate as GPTCollate
+    from trainers.recipes import lr_factor as lr_factor
 
     Client = ApiaryClient
     Job = JobPublic
@@ -56,6 +64,17 @@ _NAMES = {
     "JobState": ("service.contract.states", "JobState"),
     "Recipe": ("trainers.recipe", "Recipe"),
     "TrainContext": ("trainers.context", "TrainContext"),
+    # What a recipe's members use (trainers.recipe, trainers.recipes): the types of its row shape and
+    # collate function, the dataset checks, the built-in `gpt`'s token collate and LR schedule, and
+    # the error a column check raises.
+    "Collate": ("trainers.recipe", "Collate"),
+    "RowShape": ("trainers.recipe", "RowShape"),
+    "require_column": ("trainers.recipe", "require_column"),
+    "require_list_column": ("trainers.recipe", "require_list_column"),
+    "first_row_length": ("trainers.recipe", "first_row_length"),
+    "GPTCollate": ("trainers.recipes", "GPTCollate"),
+    "lr_factor": ("trainers.recipes", "lr_factor"),
+    "DatasetError": ("service.contract.errors", "DatasetError"),
 }
 
 # The names whose module this version has (the recipe protocol and the training context came later).

@@ -20,9 +20,16 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from service.contract.errors import DatasetError
-from trainers.recipe import Collate, Recipe, RowShape, first_row_length, require_list_column
-from trainers.recipes import GPTCollate, lr_factor
+from apiary import (
+    Collate,
+    DatasetError,
+    GPTCollate,
+    Recipe,
+    RowShape,
+    first_row_length,
+    lr_factor,
+    require_list_column,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -23,9 +23,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from service.contract.errors import DatasetError
-from trainers.recipe import Collate, Recipe, RowShape, require_column
-from trainers.recipes import lr_factor
+from apiary import Collate, DatasetError, Recipe, RowShape, lr_factor, require_column
 
 if TYPE_CHECKING:
     import torch

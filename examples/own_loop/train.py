@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainers.context import TrainContext
+from apiary import TrainContext
 
 
 class Classifier(nn.Module):
