@@ -103,13 +103,18 @@ def entrypoint(python: str | None = None) -> str:
 
 
 def code_modules() -> list[str]:
-    """The folders of the packages a job runs (`service`, for its spec and protocol, and `trainers`),
-    for Ray's runtime_env `py_modules`: shipped with the job, a node needs no copy of Apiary."""
+    """The folders of the packages a job runs (`service`, for its spec and protocol, `trainers`, and
+    `apiary` with the `api` it re-exports from, for user code that imports `apiary.Recipe` or
+    `apiary.TrainContext`), for Ray's runtime_env `py_modules`: shipped with the job, a node needs no
+    copy of Apiary."""
+    folders = [str(Path(__file__).parents[1])]
     # Found, not imported: the service never imports the trainers (and they import torch).
-    found = importlib.util.find_spec(LAUNCH_MODULE.split(".", 1)[0])
-    if found is None or not found.submodule_search_locations:
-        raise RuntimeError("the trainers package is not installed beside the service")
-    return [str(Path(__file__).parents[1]), str(next(iter(found.submodule_search_locations)))]
+    for package in (LAUNCH_MODULE.split(".", 1)[0], "apiary", "api"):
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise RuntimeError(f"the {package} package is not installed beside the service")
+        folders.append(str(next(iter(found.submodule_search_locations))))
+    return folders
 
 
 def find_module(name: str) -> ModuleSpec | None:

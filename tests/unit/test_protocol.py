@@ -132,12 +132,15 @@ def test_the_superseded_error_name_is_the_domain_errors() -> None:
     assert AttemptSuperseded.__name__ == SUPERSEDED_ERROR
 
 
-def test_code_modules_are_the_service_and_trainers_packages_of_this_checkout() -> None:
+def test_code_modules_are_the_packages_a_job_imports_of_this_checkout() -> None:
+    import api
+    import apiary
     import service
     import trainers
 
     folders = [Path(folder) for folder in code_modules()]
-    assert folders == [Path(service.__file__).parent, Path(trainers.__file__).parent]
+    expected = [Path(package.__file__).parent for package in (service, trainers, apiary, api)]
+    assert folders == expected
     assert all((folder / "__init__.py").is_file() for folder in folders)
     assert entrypoint("/opt/nodes/python") == "/opt/nodes/python -P -m trainers.launch"
 
