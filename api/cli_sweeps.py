@@ -9,14 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-import yaml
 from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
 from api.cli_jobs import AsJson, JobId, Token, Url, _client, _fail, _print_json, console
-from service.contract.errors import one_line
-from service.contract.spec import field_line, parse_spec_text
 
 if TYPE_CHECKING:
     from api.schemas import SweepPublic
@@ -56,7 +53,11 @@ def run(
     as_json: AsJson = False,
 ) -> None:
     """Start a sweep. A file the server refuses names the field and its line (exit 2)."""
+    import yaml
+
     from api.client import ApiaryInvalid  # where used: `apiary --help` loads no HTTP client (api/cli.py)
+    from service.contract.errors import one_line
+    from service.contract.spec import field_line, parse_spec_text
 
     try:
         text = file.read_text()
@@ -102,6 +103,8 @@ def best(
     token: Token = None,
 ) -> None:
     """Print the best trial's spec as YAML, ready to submit (`> job.yaml`)."""
+    import yaml
+
     with _client(url, token) as client:
         spec = client.best_spec(sweep_id, queue="full-scale" if full_scale else None)
     sys.stdout.write(
