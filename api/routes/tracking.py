@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 
 from api.deps import JobsDep
 from api.schemas import error_responses
+from service.contract.spec import MAX_INT
 
 router = APIRouter(tags=["jobs"])
 
@@ -25,7 +26,8 @@ class TensorBoardPublic(BaseModel):
 def tensorboard_logdirs(
     jobs: JobsDep,
     job: Annotated[
-        list[int] | None, Query(description="Job ids; none: every job (the storage root).")
+        list[Annotated[int, Field(ge=1, le=MAX_INT)]] | None,
+        Query(max_length=100, description="Job ids; none: every job (the storage root)."),
     ] = None,
 ) -> TensorBoardPublic:
     return TensorBoardPublic(logdirs=jobs.tensorboard_logdirs(job or []), enabled=jobs.settings.tensorboard)

@@ -16,6 +16,7 @@ import torch
 from api.client import ApiaryClient, ApiaryNotFound
 from api.schemas import JobPublic
 from service.contract.states import TERMINAL_STATES
+from service.logs import strip_ansi
 from tests.e2e.conftest import Served, mlp_spec
 from tests.support.wait import wait_until
 from trainers.checkpoint import build_model_from_checkpoint, load_checkpoint
@@ -66,8 +67,10 @@ def test_a_two_worker_job_trains_to_a_checkpoint_that_loads(
     # Rank 0's progress lines: step 1, the last step, and one per trainers.loop.LOG_INTERVAL_S
     # between (these 30 steps take a few seconds), not one per step. Read through Apiary's logs
     # route, which reads the Ray job's log (the driver's, with the ranks' lines forwarded into it).
-    logs = client.logs(job.id)
-    assert logs == served.ray_jobs_api("GET", f"{job.ray_submission_id}/logs")["logs"]
+    raw = served.ray_jobs_api("GET", f"{job.ray_submission_id}/logs")["logs"]
+    assert client.logs(job.id, raw=True) == raw
+    logs = client.logs(job.id)  # Ray's colours stripped (service.logs)
+    assert logs == strip_ansi(raw)
     progress = [line for line in logs.splitlines() if "trainers.loop INFO step " in line]
     assert "step 1/30 " in progress[0] and "step 30/30 " in progress[-1], progress
     assert len(progress) <= 4, progress

@@ -156,7 +156,7 @@ from service.settings import Settings
 from tests.support.fakes import FakeBackend
 port, database_url, data_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 settings = Settings(port=port, database_url=database_url, data_dir=data_dir, local_user="ada")
-serve(create_app(runtime=Runtime(settings, backend=FakeBackend())), host="127.0.0.1", port=port)
+serve(create_app(runtime=Runtime(settings, backend=FakeBackend())), settings)
 """
 
 

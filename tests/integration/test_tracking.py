@@ -206,3 +206,9 @@ def test_a_tracker_that_is_down_never_stops_a_job_and_its_points_are_dropped_aft
     assert any(reason.startswith("mlflow export dropped 12 points") for reason in reasons), reasons
     assert 'apiary_export_dropped_points_total{sink="mlflow"} 12.0' in service.http.get("/metrics").text
     assert service.job(job_id)["state"] == "running"
+
+
+def test_tensorboard_refuses_job_ids_out_of_range(service: Service) -> None:
+    for bad in ("0", "34056286880906911618401566720"):
+        refused = service.http.get("/tensorboard", params={"job": [bad]})
+        assert refused.status_code == 422, refused.text
