@@ -53,11 +53,6 @@ class AnsiStripper:
         self._held = text[cut.start() :] if cut is not None else ""
         return strip_ansi(text[: cut.start()] if cut is not None else text)
 
-    def flush(self) -> str:
-        """What is held back at the end (an unfinished sequence: dropped)."""
-        self._held = ""
-        return ""
-
 
 @dataclass(frozen=True, kw_only=True)
 class LogSource:

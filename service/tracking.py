@@ -115,15 +115,11 @@ def hyperparameters(spec: Mapping[str, Any]) -> dict[str, str | float | bool]:
 # -- TensorBoard ------------------------------------------------------------------------------------
 
 
-def _masked_crc(data: bytes) -> int:
-    from tensorboardX.crc32c import crc32c
-
-    crc = crc32c(data)
-    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
-
-
 def tfrecord(data: bytes) -> bytes:
-    """One record of a TFRecord file (what TensorBoard's event files are)."""
+    """One record of a TFRecord file (what TensorBoard's event files are), framed as tensorboardX's
+    own writer frames it (which writes only to a file it opens itself, not to an object store)."""
+    from tensorboardX.record_writer import masked_crc32c as _masked_crc
+
     header = struct.pack("<Q", len(data))
     return header + struct.pack("<I", _masked_crc(header)) + data + struct.pack("<I", _masked_crc(data))
 
