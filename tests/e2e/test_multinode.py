@@ -34,6 +34,7 @@ import torch
 from api.client import ApiaryClient, ApiaryClientError
 from api.demo import classification_table, write_shards
 from service.contract.code import pack
+from service.contract.protocol import code_modules
 from service.contract.storage import resolve_uri
 from tests.conftest import S3
 from tests.e2e.conftest import Served, start_serve, stop_serve
@@ -118,7 +119,7 @@ def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undis
             headers={"Authorization": f"Bearer {cluster.token}"},
             timeout=10,
         ).json()
-        assert len(ray_job["runtime_env"]["py_modules"]) == 2, ray_job["runtime_env"]
+        assert len(ray_job["runtime_env"]["py_modules"]) == len(code_modules()), ray_job["runtime_env"]
         assert ray_job["entrypoint"].startswith(str(cluster.python)), ray_job["entrypoint"]
         no_apiary = subprocess.run(
             [str(cluster.python), "-c", "import trainers"], cwd=tmp_path, capture_output=True, check=False
