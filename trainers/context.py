@@ -475,6 +475,10 @@ def open_context(loop_config: dict[str, Any]) -> Iterator[TrainContext]:
         )
         stack.callback(context._close)
         telemetry.node = f"{ray.util.get_node_ip_address()} ({ray.get_runtime_context().get_node_id()[:8]})"
+        if device.type == "cuda":  # the GPU figures of this rank's status (trainers.system)
+            telemetry.system.cuda_device = (
+                device.index if device.index is not None else torch.cuda.current_device()
+            )
         context._begin()
         yield context
         context._finish()

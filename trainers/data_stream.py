@@ -13,7 +13,8 @@ batches, so reading, decoding and the next epoch's start-up overlap the training
 first epoch at that position without reading what came before it (see `trainers.data_order`).
 
 Each rank's read tasks use at most `data_cpus / world_size` CPUs, so the job's data tasks stay within
-the CPUs its gang reserved for them.
+the CPUs its gang reserved for them. The bytes of the blocks a rank receives are counted
+(`trainers.system.count_data_read`): its data-read figure.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from service.contract.spec import DataFormat
 from service.contract.storage import resolve_uri
 from service.contract.webdataset import decode_webdataset
 from trainers.data_order import DataOrder, DataPosition, Slice, seek
+from trainers.system import count_data_read
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +213,7 @@ def iter_rank_batches(
             batch_size=None, batch_format="pyarrow", prefetch_batches=_PREFETCH_BLOCKS
         )
         yield from shuffle_windows(
-            blocks,
+            _counted(blocks),
             window=window,
             first_window=first_window,
             rows=per_rank - begin,
@@ -246,6 +248,13 @@ def iter_rank_batches(
             assert carry is None or carry.num_rows == 0, "epoch did not end on a batch boundary"
 
     return BatchStream(produce, maxsize=prefetch_batches)
+
+
+def _counted(blocks: Iterable[pa.Table]) -> Iterator[pa.Table]:
+    """`blocks`, each counted as read by this process's data pipeline (`trainers.system`)."""
+    for block in blocks:
+        count_data_read(block.nbytes)
+        yield block
 
 
 def shuffle_windows(

@@ -8,11 +8,13 @@ sooner when 200 points are waiting, and `close()` posts the rest. Rank 0 also ca
 `event()` for a fact that belongs in the job's timeline (a group start, an anomaly). Every post
 carries the attempt and the worker group's `segment` (`service.contract.protocol.TelemetryBatch`), set once
 the ranks agreed on it. Until `start()` (or `with`), nothing is posted but by an explicit
-`flush()`. A reply that says `stop` (the job was preempted or ran out of runtime) sets
-`stop_requested`, which the train loop reads every step. Every post carries the attempt's report
-token (`service.contract.handoff`) as `Authorization: Bearer`; a 403 `AttemptSuperseded` reply (the attempt
-was
-given up for a newer one) makes the rank exit at once, like a reply that says `superseded`.
+`flush()`. Every post also carries what this rank's process uses (`trainers.system`: CPU, memory,
+GPU, data and network bytes), sampled then, at most once a second; the newest point of a post that
+took a new sample carries its figures too (`sys_*` values), for the exporters. A reply that says
+`stop` (the job was preempted or ran out of runtime) sets `stop_requested`, which the train loop
+reads every step. Every post carries the attempt's report token (`service.contract.handoff`) as
+`Authorization: Bearer`; a 403 `AttemptSuperseded` reply (the attempt was given up for a newer one)
+makes the rank exit at once, like a reply that says `superseded`.
 
 A NaN or infinite value is left out of its point (with a warning): the JSON of a TelemetryBatch
 cannot carry it, and the control plane would refuse the whole batch.
@@ -41,15 +43,18 @@ from pydantic import ValidationError
 
 from service.contract.protocol import (
     HEARTBEAT_S,
+    MAX_VALUES_PER_POINT,
     SUPERSEDED_ERROR,
     CheckpointRecord,
     MetricPoint,
     RankStatus,
+    SystemStats,
     TelemetryBatch,
     TelemetryReply,
     TrainerEvent,
     clip_reason,
 )
+from trainers.system import SystemSampler
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +99,9 @@ class Telemetry:
         self._step, self._step_at = 0, None  # type: tuple[int, float | None]
         self._phase, self._phase_since = "starting", time.time()
         self._last_post = 0.0
+        # What this process uses, sampled with the posts (`trainers.system`).
+        self.system = SystemSampler()
+        self._system_failed = False
         self.close_retry_s = close_retry_s
         self.flush_interval_s = flush_interval_s
         self.flush_points = flush_points
@@ -168,7 +176,7 @@ class Telemetry:
             self._step, self._step_at = step, now
         self._phase, self._phase_since = phase, now
 
-    def status(self) -> RankStatus:
+    def status(self, system: SystemStats | None = None) -> RankStatus:
         return RankStatus(
             rank=self.rank,
             step=self._step,
@@ -177,7 +185,19 @@ class Telemetry:
             phase_since=self._phase_since,
             node=self.node,
             pid=os.getpid(),
+            system=system,
         )
+
+    def _sample_system(self) -> tuple[SystemStats | None, bool]:
+        """This process's figures (`trainers.system`), and whether they are new since the last post."""
+        try:
+            return self.system.latest()
+        except Exception:
+            # What a process uses is worth less than its metrics: never let reading it stop a post.
+            if not self._system_failed:
+                self._system_failed = True
+                logger.exception("cannot sample this rank's system figures; posting without them")
+            return None, False
 
     def event(self, kind: str, *, step: int, message: str, **data: float | int | str) -> None:
         """Tell the control plane a fact for the job's timeline (posted with the next batch)."""
@@ -244,13 +264,16 @@ class Telemetry:
                 heartbeat = time.monotonic() - self._last_post >= HEARTBEAT_S and self._thread is not None
                 if not points and checkpoint is None and not events and not heartbeat:
                     return True
+                system, fresh = self._sample_system()
+                if system is not None and fresh and points:
+                    points[-1] = _with_system(points[-1], system)
                 batch = TelemetryBatch(
                     attempt=self.attempt,
                     segment=self.segment,
                     points=points,
                     checkpoint=checkpoint,
                     events=events,
-                    status=self.status(),
+                    status=self.status(system),
                 )
                 if not self._post(batch):
                     self._requeue(points, checkpoint, events)
@@ -357,6 +380,15 @@ class Telemetry:
             except Exception:
                 # A telemetry bug must not kill the thread silently and leave points piling up unseen.
                 logger.exception("telemetry flush failed")
+
+
+def _with_system(point: MetricPoint, system: SystemStats) -> MetricPoint:
+    """`point` with the figures of a new system sample (for the exporters: `SYSTEM_PREFIX`), unless that
+    would take it past the values a point may carry, or it has values of those names of its own."""
+    figures = system.point_values()
+    if len(point.values) + len(figures) > MAX_VALUES_PER_POINT or figures.keys() & point.values.keys():
+        return point
+    return point.model_copy(update={"values": {**point.values, **figures}})
 
 
 def _error_name(response: httpx.Response) -> str | None:

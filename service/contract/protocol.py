@@ -10,12 +10,13 @@ Ray stores of the job. Apiary's own code travels with the job (`code_modules()`,
 `py_modules`), so a node needs only the same torch and ray.
 
 Job → service, two channels:
-- telemetry: every rank posts `TelemetryBatch`es (its per-step metric points, and rank 0 the
-  checkpoint it just saved) to `LaunchRequest.telemetry_url` (`trainers.telemetry`), with the
-  attempt's report token as `Authorization: Bearer <token>`; a post without it is refused (401), and
-  one of an attempt that was given up gets 403 (`AttemptSuperseded`): its rank exits. The
-  `TelemetryReply` carries the control plane's one request back: `stop` (the job was preempted or
-  ran out of runtime), on which the ranks checkpoint at their next common step and exit;
+- telemetry: every rank posts `TelemetryBatch`es (its per-step metric points, its `RankStatus` with
+  what its process uses, `SystemStats`, and rank 0 the checkpoint it just saved) to
+  `LaunchRequest.telemetry_url` (`trainers.telemetry`), with the attempt's report token as
+  `Authorization: Bearer <token>`; a post without it is refused (401), and one of an attempt that
+  was given up gets 403 (`AttemptSuperseded`): its rank exits. The `TelemetryReply` carries the
+  control plane's one request back: `stop` (the job was preempted or ran out of runtime), on which
+  the ranks checkpoint at their next common step and exit;
 - the end: the Ray job's exit status, and for a failure the last line of its log that starts with
   `ERROR_PREFIX` (the job failed for good: its own code, its data, or its failure budget spent) or
   `RETRY_PREFIX` (something outside the job failed: the cluster, storage), which carries a one-line
@@ -39,6 +40,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 
 from service.contract.spec import MAX_INT, MAX_URI_CHARS, NO_NUL, Bool, Float, Int, JobSpec, Strict
+from service.contract.system import SYSTEM_FIGURES
 
 LAUNCH_ENV_VAR = "APIARY_LAUNCH"
 LAUNCH_MODULE = "trainers.launch"
@@ -213,8 +215,47 @@ SUPERSEDED_ERROR = "AttemptSuperseded"
 HEARTBEAT_S = 5.0
 
 
+# The figures of `SystemStats` that a rank's metric points also carry (`SYSTEM_FIGURES`, for the
+# exporters), as `SYSTEM_PREFIX + name`; the exporters tag them `system/<name>`.
+SYSTEM_PREFIX = "sys_"
+
+
+class SystemStats(Strict):
+    """What one rank's process uses, sampled at the status cadence (`trainers.system`).
+
+    Rates are over the interval since the rank's previous sample (None on its first). A figure the
+    rank cannot read is None (no GPU in use, no /proc). `cpu_percent` counts every thread of the
+    process, so it exceeds 100 on more than one core, as `top` shows it. The network counters are the
+    node's (its network namespace, loopback left out), not the process's: ranks on one node share them.
+    `data_read_bytes` is the Arrow data the rank's data streams received from Ray Data (decoded, in
+    memory), counted since the process started.
+    """
+
+    sampled_at: Float = Field(description="Unix seconds.")
+    cpu_percent: Float | None = Field(default=None, ge=0)
+    rss_bytes: Int | None = Field(default=None, ge=0, le=MAX_INT)
+    gpu_utilization_percent: Float | None = Field(default=None, ge=0, le=100)
+    gpu_memory_bytes: Int | None = Field(
+        default=None, ge=0, le=MAX_INT, description="Held by the process's CUDA caching allocator."
+    )
+    data_read_bytes: Int = Field(default=0, ge=0, le=MAX_INT)
+    data_read_bytes_per_s: Float | None = Field(default=None, ge=0)
+    net_sent_bytes: Int | None = Field(default=None, ge=0, le=MAX_INT)
+    net_recv_bytes: Int | None = Field(default=None, ge=0, le=MAX_INT)
+    net_sent_bytes_per_s: Float | None = Field(default=None, ge=0)
+    net_recv_bytes_per_s: Float | None = Field(default=None, ge=0)
+
+    def point_values(self) -> dict[str, float]:
+        """The figures a metric point carries (`SYSTEM_FIGURES`, those known)."""
+        values = {name: getattr(self, name) for name in SYSTEM_FIGURES}
+        return {SYSTEM_PREFIX + name: float(value) for name, value in values.items() if value is not None}
+
+
 class RankStatus(Strict):
-    """What one rank is doing, sent with every post: how the service finds hangs and stragglers."""
+    """What one rank is doing, sent with every post: how the service finds hangs and stragglers.
+
+    Fields added later have defaults, so a status of an older trainer still parses (a job's trainers
+    ship with the service that submits it: `code_modules`)."""
 
     rank: Int = Field(le=MAX_INT, ge=0)
     step: Int = Field(le=MAX_INT, ge=0, description="The last step this rank completed.")
@@ -228,6 +269,7 @@ class RankStatus(Strict):
     phase_since: Float = Field(description="When it entered `phase` (Unix seconds).")
     node: str = Field(max_length=128, pattern=NO_NUL, description="The node it runs on (IP and Ray node id).")
     pid: Int = Field(le=MAX_INT)
+    system: SystemStats | None = Field(default=None, description="What its process uses (None: not sampled).")
 
 
 class TelemetryBatch(Strict):

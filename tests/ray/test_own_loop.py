@@ -16,7 +16,7 @@ from service.contract.protocol import GROUP_STARTED
 from service.contract.trainer_kind import TrainerKind
 from tests.support.datasets import write_classes
 from tests.support.jobs import make_request, make_spec
-from tests.support.telemetry import TelemetryServer
+from tests.support.telemetry import TelemetryServer, trained
 from tests.support.wait import wait_until
 from trainers.checkpoint import checkpoint_dir_name, checkpoint_problem, load_checkpoint
 from trainers.launch import run, trainer_kind
@@ -96,7 +96,7 @@ def test_a_preempted_own_loop_resumes_exactly(
     points = telemetry_server.points()
     for rank in (0, 1):
         assert sorted(p["step"] for p in points if p["rank"] == rank) == list(range(1, MAX_STEPS + 1))
-    assert all(set(p["values"]) == METRICS for p in points)
+    assert all(set(trained(p)) == METRICS for p in points)
     saved = [record["step"] for record in telemetry_server.checkpoints()]
     assert {*range(5, MAX_STEPS, 5), MAX_STEPS} <= set(saved) and saved[-1] == MAX_STEPS
     started = [event for event in telemetry_server.events() if event["kind"] == GROUP_STARTED]

@@ -12,7 +12,7 @@ import torch
 from service.contract.spec import JobSpec
 from tests.support.datasets import write_tokens
 from tests.support.jobs import make_request, make_spec
-from tests.support.telemetry import TelemetryServer
+from tests.support.telemetry import TelemetryServer, trained
 from trainers.checkpoint import build_model_from_checkpoint, checkpoint_dir_name, load_checkpoint
 from trainers.data import inspect_dataset, iter_batches_for_rank
 from trainers.launch import run
@@ -54,7 +54,7 @@ def test_a_recipe_reports_its_metrics_and_resumes_its_own_state(
     assert state["recipe_state"] == {"batches_seen": 12}
     assert state["trainer"] == RECIPE
     points = telemetry_server.points()
-    assert all(set(p["values"]) == {*STEP_METRICS, "accuracy", "batches_seen"} for p in points)
+    assert all(set(trained(p)) == {*STEP_METRICS, "accuracy", "batches_seen"} for p in points)
     for rank in (0, 1):
         seen = {p["step"]: p["values"]["batches_seen"] for p in points if p["rank"] == rank}
         assert seen == {step: float(step) for step in range(1, 13)}

@@ -7,6 +7,13 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from service.contract.protocol import SYSTEM_PREFIX
+
+
+def trained(point: dict[str, Any]) -> dict[str, float]:
+    """A posted point's values less the system figures a post may add to it (`trainers.telemetry`)."""
+    return {name: value for name, value in point["values"].items() if not name.startswith(SYSTEM_PREFIX)}
+
 
 class TelemetryServer:
     """A real HTTP server on 127.0.0.1 that collects TelemetryBatch posts.

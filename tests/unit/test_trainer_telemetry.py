@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from service.contract.protocol import SUPERSEDED_ERROR
-from tests.support.telemetry import TelemetryServer
+from tests.support.telemetry import TelemetryServer, trained
 from tests.support.wait import wait_until
 from trainers import telemetry
 from trainers.telemetry import Telemetry
@@ -139,7 +139,7 @@ def test_non_finite_values_are_left_out_not_the_whole_batch(
     sender.record(1, {"loss": float("nan"), "lr": 0.1})
     sender.record(2, {"loss": 2.0, "lr": 0.1})
     assert sender.flush() is True
-    assert [p["values"] for p in telemetry_server.points()] == [{"lr": 0.1}, {"loss": 2.0, "lr": 0.1}]
+    assert [trained(p) for p in telemetry_server.points()] == [{"lr": 0.1}, {"loss": 2.0, "lr": 0.1}]
     assert "loss is nan" in caplog.text
     sender.close()
 
