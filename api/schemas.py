@@ -67,7 +67,8 @@ class JobPublic(BaseModel):
     preemptions: int
     ranks: dict[str, dict[str, Any]] | None = Field(
         description="Each rank of the running worker group: step, phase, node, when last heard from "
-        "(seen), its own work per step (own_s) and whether it is a straggler."
+        "(seen), its own work per step (own_s), whether it is a straggler, what its process uses "
+        "(system: CPU, memory, GPU, data and network bytes) and the figures it stands out in (outliers)."
     )
     restarts: int = Field(description="Worker-group restarts inside Ray Train (a worker died).")
     failures: int = Field(

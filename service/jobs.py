@@ -65,7 +65,7 @@ from service.contract.spec import JobSpec, Queue
 from service.contract.states import JobState, StopReason
 from service.contract.storage import node_local
 from service.contract.trainer_kind import TrainerKind, TrainerNotDefined, kind_of_trainer, kind_refusal
-from service.observability import Gauges, Metrics, RunningJob
+from service.observability import Gauges, Metrics, RankFigures, RunningJob
 from service.planning.formulas import Plan
 from service.planning.measured import measured_plan
 from service.settings import Settings
@@ -715,6 +715,15 @@ class JobService:
                         samples_per_s=spec.batch_size * num_workers / job.seconds_per_step
                         if job.seconds_per_step and spec.batch_size is not None
                         else None,
+                        ranks=[
+                            RankFigures(
+                                rank=int(name),
+                                system=entry["system"],
+                                outliers=tuple(entry.get("outliers") or ()),
+                            )
+                            for name, entry in (job.ranks or {}).items()
+                            if entry.get("system")
+                        ],
                     )
                 )
         return Gauges(

@@ -8,9 +8,10 @@ do, and each scrape must see only its own):
   points ingested. They count what this process saw since it started (Prometheus' `rate()` and
   `increase()` take care of restarts);
 - state, read from the database at scrape time (`DatabaseCollector`, fed by `JobService.gauges()`):
-  jobs by queue and state, queue depth, running workers, resources held per queue, and the step and
-  samples/s of each running job. Cheap queries only: grouped counts and the active jobs, never the
-  metric points.
+  jobs by queue and state, queue depth, running workers, resources held per queue, the step and
+  samples/s of each running job, and what each of its ranks' processes uses (CPU, memory, GPU, data
+  and network bytes: the last `SystemStats` a rank posted) with the figures it stands out in. Cheap
+  queries only: grouped counts and the active jobs, never the metric points.
 
 The pure policy and the trainers know nothing of this module.
 """
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from service.contract.spec import Queue
@@ -37,9 +38,23 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # whatever the cluster's size. Only running jobs have them, so ended jobs' series disappear.
 MAX_JOB_SERIES = 500
 
+# At most this many ranks get per-rank series (`apiary_rank_*`), all jobs together: the running jobs in
+# id order, each one's ranks in order, until the bound; the ranks beyond it are counted in
+# `apiary_rank_series_left_out`. Each rank has at most 7 series (and one per figure it stands out in).
+MAX_RANK_SERIES = 1024
+
 # A job waits seconds in the research queue and hours (or days) in full-scale.
 ADMISSION_WAIT_BUCKETS_S = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400, 259200)
 SCHEDULER_PASS_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankFigures:
+    """What one rank's process uses (`service.contract.protocol.SystemStats`), as its series show it."""
+
+    rank: int
+    system: Mapping[str, float | None]
+    outliers: Sequence[str] = ()  # the figures in which it stands out (service.store.repository)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +65,44 @@ class RunningJob:
     queue: str
     step: int | None
     samples_per_s: float | None  # all ranks together
+    ranks: Sequence[RankFigures] = ()
+
+
+# (series name, SystemStats field, help, counter?) of each rank's system figures.
+RANK_SERIES = (
+    ("apiary_rank_cpu_percent", "cpu_percent", "CPU of a rank's process, in percent of one core.", False),
+    ("apiary_rank_rss_bytes", "rss_bytes", "Resident memory of a rank's process.", False),
+    (
+        "apiary_rank_gpu_utilization_percent",
+        "gpu_utilization_percent",
+        "Utilization of a rank's GPU (NVML), when it trains on one.",
+        False,
+    ),
+    (
+        "apiary_rank_gpu_memory_bytes",
+        "gpu_memory_bytes",
+        "GPU memory a rank's process holds (torch's caching allocator), when it trains on a GPU.",
+        False,
+    ),
+    (
+        "apiary_rank_data_read_bytes",
+        "data_read_bytes",
+        "Bytes a rank's data pipeline received since its process started.",
+        True,
+    ),
+    (
+        "apiary_rank_network_sent_bytes",
+        "net_sent_bytes",
+        "Bytes the node of a rank sent (its network namespace, loopback left out).",
+        True,
+    ),
+    (
+        "apiary_rank_network_received_bytes",
+        "net_recv_bytes",
+        "Bytes the node of a rank received (its network namespace, loopback left out).",
+        True,
+    ),
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +181,43 @@ class DatabaseCollector(Collector):
                 speed.add_metric(labels, job.samples_per_s)
         yield step
         yield speed
+        yield from _rank_series(gauges.running)
+
+
+def _rank_series(running: Sequence[RunningJob]) -> Iterator[Metric]:
+    """Each rank's system figures, for at most `MAX_RANK_SERIES` ranks (labels: job_id, rank)."""
+    families = {
+        name: (CounterMetricFamily if counter else GaugeMetricFamily)(name, text, labels=["job_id", "rank"])
+        for name, _, text, counter in RANK_SERIES
+    }
+    outlier = GaugeMetricFamily(
+        "apiary_rank_outlier",
+        "1 for each system figure in which a rank stands out from the other ranks of its job.",
+        labels=["job_id", "rank", "figure"],
+    )
+    left_out = 0
+    shown = 0
+    for job in sorted(running, key=lambda job: job.job_id):
+        for rank in sorted(job.ranks, key=lambda rank: rank.rank):
+            if shown >= MAX_RANK_SERIES:
+                left_out += 1
+                continue
+            shown += 1
+            labels = [str(job.job_id), str(rank.rank)]
+            for name, field, _, _ in RANK_SERIES:
+                value = rank.system.get(field)
+                if value is not None:
+                    families[name].add_metric(labels, value)
+            for figure in rank.outliers:
+                outlier.add_metric([*labels, figure], 1)
+    yield from families.values()
+    yield outlier
+    missing = GaugeMetricFamily(
+        "apiary_rank_series_left_out",
+        f"Ranks of running jobs without apiary_rank_* series (beyond {MAX_RANK_SERIES} ranks in all).",
+    )
+    missing.add_metric([], left_out)
+    yield missing
 
 
 class Metrics:

@@ -52,6 +52,7 @@ from service.auth import SESSION_TTL_S, Auth, User
 from service.contract.errors import Forbidden, InvalidSpec, Unauthenticated
 from service.contract.spec import MAX_INT
 from service.contract.states import ACTIVE_STATES, JobState
+from service.contract.system import SYSTEM_FIGURES, SYSTEM_OUTLIER_FACTOR, show_figure
 from service.jobs import QueueView
 from service.store.models import Job
 
@@ -104,7 +105,14 @@ def _workers(spec: dict[str, Any]) -> str:
     return f"{workers['min']}-{workers['max']}" if isinstance(workers, dict) else str(workers)
 
 
+def _figure(value: float | None, unit: str) -> str:
+    return "-" if value is None else show_figure(value, unit)
+
+
 templates.env.filters["ago"] = _ago
+templates.env.filters["figure"] = _figure
+templates.env.globals["system_figures"] = SYSTEM_FIGURES
+templates.env.globals["outlier_factor"] = f"{SYSTEM_OUTLIER_FACTOR:g}"
 templates.env.filters["workers"] = _workers
 templates.env.filters["amounts"] = _amounts
 

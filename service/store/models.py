@@ -111,7 +111,8 @@ class Job(Base):
     # ignored.
     restarting_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # Each rank of the current worker group: its last RankStatus (service.contract.protocol), when the service
-    # heard from it (`seen`), its own work per step (`own_s`) and whether it is a straggler.
+    # heard from it (`seen`), its own work per step (`own_s`), whether it is a straggler, and the system
+    # figures it stands out in (`outliers`, service.contract.system).
     ranks: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     # The sha256 of the current attempt's report token (service.contract.handoff): its telemetry must carry
     # the

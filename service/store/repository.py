@@ -24,6 +24,7 @@ from service.contract.errors import (
 from service.contract.protocol import MetricPoint, RankStatus
 from service.contract.spec import MAX_INT, JobSpec
 from service.contract.states import ACTIVE_STATES, JobState, StopReason, can_transition
+from service.contract.system import SYSTEM_FIGURES, show_figure, system_outliers
 from service.store.models import (
     ApiToken,
     AuthState,
@@ -451,6 +452,59 @@ STRAGGLER_POSTS = 3
 STRAGGLER_MIN_S = 0.01
 
 
+def _next_streak(streak: int, out: bool) -> int:
+    """Posts in a row that found a rank out of line (positive), or in line (negative)."""
+    return (max(streak, 0) + 1) if out else (min(streak, 0) - 1)
+
+
+def _turns(was: bool, streak: int) -> bool:
+    """Whether a rank marked `was` (a straggler, an outlier) turns after STRAGGLER_POSTS posts in a row."""
+    return (not was and streak >= STRAGGLER_POSTS) or (was and streak <= -STRAGGLER_POSTS)
+
+
+def _note_system_outliers(
+    session: Session, job: Job, entry: dict[str, Any], others: list[dict[str, Any]]
+) -> None:
+    """Mark (and unmark) the system figures in which the rank of `entry` stands out, with an event."""
+    mine = entry.get("system")
+    if not mine:  # this post had no sample (it could not be read): nothing to judge it by
+        entry.pop("outliers", None)
+        entry.pop("outlier_streaks", None)
+        return
+    streaks = dict(entry.get("outlier_streaks") or {})
+    marked = set(entry.get("outliers") or ())
+    peers = [other["system"] for other in others if other.get("system")]
+    for name, (out, median) in system_outliers(mine, peers).items():
+        streak = streaks[name] = _next_streak(streaks.get(name, 0), out)
+        was = name in marked
+        if not _turns(was, streak):
+            continue
+        figure = SYSTEM_FIGURES[name]
+        value = mine[name]
+        said = (
+            f"{show_figure(value, figure.unit)} against {show_figure(median, figure.unit)} "
+            "for the other ranks"
+        )
+        if not was:
+            marked.add(name)
+            reason = (
+                f"rank {entry['rank']} on node {entry['node']} stands out in {figure.label}: {said} "
+                f"at step {entry['step']}"
+            )
+        else:
+            marked.discard(name)
+            reason = (
+                f"rank {entry['rank']} on node {entry['node']} no longer stands out in {figure.label} "
+                f"({said})"
+            )
+        record_event(session, job, actor="service", reason=reason)
+        logger.warning(
+            reason, extra={"action": "system_outlier", "job": {"id": job.id, "rank": entry["rank"]}}
+        )
+    entry["outlier_streaks"] = streaks
+    entry["outliers"] = sorted(marked)
+
+
 def note_rank_status(
     session: Session,
     job: Job,
@@ -461,7 +515,8 @@ def note_rank_status(
     straggler_factor: float,
 ) -> None:
     """Keep what a rank of the current worker group says it is doing (`Job.ranks`), and record a rank
-    that turns into a straggler (or stops being one) as an event."""
+    that turns into a straggler (or stops being one), or whose system figures turn to stand out from
+    the others' (`system_outliers`), as an event."""
     ranks = {key: dict(value) for key, value in (job.ranks or {}).items()}
     key = str(status.rank)
     entry = {**ranks.get(key, {}), **status.model_dump(), "seen": now}
@@ -475,11 +530,9 @@ def note_rank_status(
     if own and others:
         median = others[len(others) // 2]
         slow = entry["own_s"] > straggler_factor * median and entry["own_s"] - median >= STRAGGLER_MIN_S
-        streak = entry.get("streak", 0)
-        streak = (max(streak, 0) + 1) if slow else (min(streak, 0) - 1)
-        entry["streak"] = streak
+        streak = entry["streak"] = _next_streak(entry.get("streak", 0), slow)
         was = bool(entry.get("straggler"))
-        if (not was and streak >= STRAGGLER_POSTS) or (was and streak <= -STRAGGLER_POSTS):
+        if _turns(was, streak):
             entry["straggler"] = not was
             reason = (
                 f"rank {status.rank} on node {status.node} is a straggler: its own work (data wait + "
@@ -491,6 +544,7 @@ def note_rank_status(
             )
             record_event(session, job, actor="service", reason=reason)
             logger.warning(reason, extra={"action": "straggler", "job": {"id": job.id, "rank": status.rank}})
+    _note_system_outliers(session, job, entry, [other for name, other in ranks.items() if name != key])
     job.ranks = ranks
 
 

@@ -4,10 +4,13 @@ tests/integration/test_prometheus.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client.parser import text_string_to_metric_families
 
+from service import observability
 from service.contract.states import JobState
-from service.observability import MAX_JOB_SERIES, Gauges, Metrics, RunningJob
+from service.observability import MAX_JOB_SERIES, Gauges, Metrics, RankFigures, RunningJob
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -60,3 +63,30 @@ def test_per_job_series_are_bounded_and_every_queue_and_state_has_a_series() -> 
     assert len(jobs) == 2 * len(JobState)
     assert jobs[(("queue", "research"), ("state", "running"))] == len(running)
     assert jobs[(("queue", "full-scale"), ("state", "queued"))] == 0
+
+
+def test_per_rank_series_are_bounded_over_all_jobs_and_the_rest_counted(monkeypatch: Any) -> None:
+    monkeypatch.setattr(observability, "MAX_RANK_SERIES", 4)
+    figures = {"cpu_percent": 50.0, "rss_bytes": 1e9, "data_read_bytes": 10, "gpu_memory_bytes": None}
+
+    def job(job_id: int) -> RunningJob:
+        ranks = [
+            RankFigures(rank=rank, system=figures, outliers=("rss_bytes",) * (rank == 2))
+            for rank in (2, 0, 1)
+        ]
+        return RunningJob(job_id=job_id, queue="research", step=1, samples_per_s=None, ranks=ranks)
+
+    metrics = Metrics()
+    metrics.watch_database(lambda: Gauges(jobs={}, workers={}, in_use={}, running=[job(8), job(7)]))
+    found = samples(metrics)
+    shown = sorted(
+        (dict(labels)["job_id"], dict(labels)["rank"])
+        for name, labels in found
+        if name == "apiary_rank_cpu_percent"
+    )
+    assert shown == [("7", "0"), ("7", "1"), ("7", "2"), ("8", "0")]  # job id order, then rank order
+    assert found[("apiary_rank_series_left_out", ())] == 2
+    assert found[("apiary_rank_data_read_bytes_total", (("job_id", "7"), ("rank", "1")))] == 10
+    assert not any(name == "apiary_rank_gpu_memory_bytes" for name, _ in found)  # not known: no series
+    outliers = [labels for name, labels in found if name == "apiary_rank_outlier"]
+    assert outliers == [(("figure", "rss_bytes"), ("job_id", "7"), ("rank", "2"))]
