@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.contract.protocol import SYSTEM_PREFIX
+
 # How many of a job's steps a comparison reads at most (evenly spaced, the last one included): a
 # million-step run is compared on a sample; below this every step counts.
 MAX_COMPARED_STEPS = 100_000
@@ -38,12 +40,14 @@ class MetricSummary:
 
 
 def summarize(points: Iterable[tuple[int, Mapping[str, Any]]]) -> MetricSummary:
-    """Final and best value of each metric over `(step, values)` points (any order; non-finite values
-    and non-numbers are left out)."""
+    """Final and best value of each metric over `(step, values)` points (any order; non-finite values,
+    non-numbers and a rank's system figures, `sys_*`, which have no best, are left out)."""
     summary = MetricSummary()
     for step, values in points:
         for name, value in values.items():
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                continue
+            if name.startswith(SYSTEM_PREFIX):
                 continue
             if step >= summary.final_step.get(name, -1):
                 summary.final[name], summary.final_step[name] = float(value), step

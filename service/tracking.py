@@ -8,7 +8,9 @@ and hands rank 0's to each sink:
 - which points: rank 0's of the run that counted (`repository.metrics_after`: a step that a restart
   trained again is exported again, as its new value); per-rank detail stays in Apiary's own charts;
 - tags: `train/<metric>` for the step metrics (`loss`, `lr`, `samples_per_s`...), `eval/<metric>`
-  for `eval_*` metrics (already reduced over ranks by the trainers);
+  for `eval_*` metrics (already reduced over ranks by the trainers), `system/<figure>` for what rank
+  0's process uses (`sys_*`: CPU, memory, GPU, data and network rates, at the status cadence; every
+  rank's are on the job page and in Prometheus);
 - each sink keeps its own cursor (the last metric row it took) where it writes, so a restarted or
   new leader goes on where the last one stopped, without a table of its own.
 
@@ -41,6 +43,7 @@ from typing import Any, Protocol
 
 from service.compare import flatten
 from service.contract.handoff import job_prefix
+from service.contract.protocol import SYSTEM_PREFIX
 from service.contract.states import ACTIVE_STATES, JobState
 from service.contract.storage import resolve_uri
 from service.observability import Metrics
@@ -92,6 +95,8 @@ class Sink(Protocol):
 
 
 def tag(metric: str) -> str:
+    if metric.startswith(SYSTEM_PREFIX):
+        return f"system/{metric.removeprefix(SYSTEM_PREFIX)}"
     return f"eval/{metric.removeprefix('eval_')}" if metric.startswith("eval_") else f"train/{metric}"
 
 

@@ -42,6 +42,8 @@ def post(service: Service, job_id: int, steps: range, *, eval_every: int = 5) ->
                 "loss": 2.0 / step + rank,  # rank 1's differ: only rank 0's are exported
                 "samples_per_s": 100.0,
                 **({"eval_loss": 3.0 / step} if step % eval_every == 0 else {}),
+                # What the rank's process uses, on a point of each post that sampled it (trainers.system).
+                **({"sys_cpu_percent": 50.0 + rank, "sys_rss_bytes": 2.0**30} if step % 5 == 0 else {}),
             },
         }
         for step in steps
@@ -96,6 +98,9 @@ def test_every_job_writes_tensorboard_scalars_and_hparams(
     assert [e.value for e in loss] == pytest.approx([2.0 / step for step in range(1, 21)])  # rank 0's
     assert [e.step for e in events.Scalars("eval/loss")] == [5, 10, 15, 20]
     assert "train/samples_per_s" in events.Tags()["scalars"]
+    cpu = events.Scalars("system/cpu_percent")  # rank 0's process
+    assert [(e.step, e.value) for e in cpu] == [(step, 50.0) for step in (5, 10, 15, 20)]
+    assert "system/rss_bytes" in events.Tags()["scalars"]
     hparams = events.SummaryMetadata("_hparams_/session_start_info").plugin_data
     assert hparams.plugin_name == "hparams" and b"config.lr" in hparams.content
 
