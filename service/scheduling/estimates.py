@@ -7,7 +7,9 @@
   (`pace_remaining_s`), once it has run `PACE_AFTER_S` (before that the pace says little: start-up,
   compilation, the first checkpoint). The simulator knows the true remaining time and spoils it the
   way a measured pace errs: times a fixed log-normal factor per job (`PACE_ERROR_SIGMA`), used only
-  after `PACE_AFTER_S` of running (`simulated_remaining_s`).
+  after `PACE_AFTER_S` of running (`simulated_remaining_s`). The live scheduler has the pace its
+  trainers report (`live_remaining_s`), and its history is what its database says of the jobs that
+  ran and ended (`service.scheduling.history.LiveHistory`); a job's size there is `job_size`.
 
 No I/O here.
 """
@@ -67,6 +69,26 @@ class History:
         kind = size_class(size)
         keys = [("owner-size", owner, kind), ("size", "", kind)]
         return [("owner-name", owner, f"{name}|{kind}"), *keys] if name else keys
+
+
+def job_size(per_worker: dict[str, float], num_workers: int) -> float:
+    """A job's size for its size class in the live service: the GPUs its workers hold, or their CPUs
+    when it asks for no GPU (the simulator counts the cluster's busy resource, the same on a cluster
+    of one kind)."""
+    gpus = per_worker.get("GPU", 0.0)
+    return num_workers * (gpus if gpus > 0 else per_worker.get("CPU", 0.0))
+
+
+def live_remaining_s(*, ran_s: float, pace_s: float | None, expected_s: float | None) -> float | None:
+    """What the live service believes is left of a running job whose current attempt has run `ran_s`:
+    its measured pace's estimate `pace_s` (seconds per step times the steps left) once it has run
+    `PACE_AFTER_S`; before that, history's `expected_s` less what it has run; without history, the
+    early pace (better than nothing); else None. The caller bounds it by the job's max_runtime_s."""
+    if pace_s is not None and ran_s >= PACE_AFTER_S:
+        return pace_s
+    if expected_s is not None:
+        return max(0.0, expected_s - ran_s)
+    return pace_s
 
 
 def pace_remaining_s(*, ran_s: float, steps_done: int, max_steps: int | None) -> float | None:

@@ -10,16 +10,17 @@ expiry, renewed every tick; another replica takes over once it expires):
 2. enforce: a running job past its `max_runtime_s` is told to checkpoint and stop; a job told so
    `preempt_grace_s` ago that has not stopped is stopped (its event says how much work that lost);
 3. schedule: read every unfinished job in one query and the cluster (its alive nodes, and what Ray
-   reports in use on them: other Ray users' use is not Apiary's to admit, service.scheduling.policy); requeue
-   a
-   started job whose gang no longer fits them (a node left: `requeue_unplaceable`); hold every
-   queued job while checkpoint storage is a local path on more than one node; call the pure
-   `policy.decide`, then preempt (running -> preempting: the trainers hear it in the reply to their
-   next telemetry post, checkpoint at the next step boundary and exit), admit (commit
-   `queued -> admitted` with a new attempt and Ray submission id BEFORE submitting, so a crash in
-   between leaves a record the next reconcile repairs, never an untracked Ray job; after submitting
-   it checks the row again and stops its submission if a replica that took the lease meanwhile
-   requeued the job, so one attempt runs at a time), and store every
+   reports in use on them: other Ray users' use is not Apiary's to admit, service.scheduling.policy);
+   requeue a started job whose gang no longer fits them (a node left: `requeue_unplaceable`); hold
+   every queued job while checkpoint storage is a local path on more than one node; call the pure
+   `policy.decide` (each queued job with history's estimate of its duration, each active job with its
+   expected end: its measured pace, or history early on, never beyond its max_runtime_s;
+   service.scheduling.estimates and service.scheduling.history), then preempt (running -> preempting:
+   the trainers hear it in the reply to their next telemetry post, checkpoint at the next step
+   boundary and exit), admit (commit `queued -> admitted` with a new attempt and Ray submission id
+   BEFORE submitting, so a crash in between leaves a record the next reconcile repairs, never an
+   untracked Ray job; after submitting it checks the row again and stops its submission if a replica
+   that took the lease meanwhile requeued the job, so one attempt runs at a time), and store every
    waiting job's position, reason and ETA (changed rows only, one statement);
 4. retain: delete the checkpoints that the jobs' `checkpoint.keep_last`/`keep_best` let go, never the
    one a job resumes from (service.scheduling.retention; only jobs with new checkpoints or deletions to
@@ -46,7 +47,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, object_session
@@ -78,6 +79,8 @@ from service.contract.storage import checkpoint_uri, node_local
 from service.observability import Metrics
 from service.planning.formulas import time_to_finish_s
 from service.planning.measured import observed_mtbf
+from service.scheduling.estimates import job_size, live_remaining_s
+from service.scheduling.history import LiveHistory, to_time
 from service.scheduling.policy import Decisions, Preemption, Wait, decayed_usage, decide, dominant_share
 from service.scheduling.retention import Retention
 from service.settings import Settings
@@ -90,11 +93,12 @@ logger = logging.getLogger(__name__)
 LEASE = "scheduler"
 
 
-def to_time(value: datetime | None) -> float | None:
-    """Unix seconds of a stored time (SQLite gives them back without their UTC zone)."""
-    if value is None:
-        return None
-    return (value if value.tzinfo is not None else value.replace(tzinfo=UTC)).timestamp()
+class _Facts(NamedTuple):
+    """What a job's spec says beyond its gang, for the estimates of its duration."""
+
+    name: str
+    max_steps: int | None
+    size: float  # `service.scheduling.estimates.job_size`
 
 
 class Scheduler:
@@ -116,7 +120,12 @@ class Scheduler:
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.is_leader = False
         self._templates: dict[int, Gang] = {}  # what a job's (immutable) spec says of its gang
-        self._max_steps: dict[int, int | None] = {}
+        self._facts: dict[int, _Facts] = {}
+        # History's estimates of the jobs' durations (service.scheduling.history): read from the
+        # database when this replica takes the lease, then fed with each job that ends.
+        self.history = LiveHistory()
+        # job -> (the history's version, its expected duration, its queued gang with that estimate)
+        self._estimates: dict[int, tuple[int, float | None, Gang]] = {}
         self._unplaceable_since: dict[int, float] = {}  # started jobs whose gang fits no more, since
         # What the log last said of other Ray users' use and of Ray's pending demand (said on change).
         self._others_said = f"other Ray users hold {format_resources({})}"
@@ -208,6 +217,7 @@ class Scheduler:
             return
         if not self.is_leader:
             logger.info("this replica schedules now (%s)", self.holder, extra={"action": "lease_taken"})
+            self.history.loaded = False  # it may have missed jobs that ended meanwhile: read again
         self.is_leader = True
         started = time.perf_counter()
         with self.db.session() as session:
@@ -560,18 +570,23 @@ class Scheduler:
     def schedule(self, now: float) -> Decisions:
         with self.db.session() as session:
             rows = repository.scheduling_rows(session)
+            live = {row.id for row in rows}
+            ended = sorted(self._templates.keys() - live)
+            if self.history.loaded:
+                self.history.learn(session, ended)
+            else:
+                self.history.load(session)
             self._forget_changed(rows)
             self._learn_specs(session, [row.id for row in rows])
             stored_usage = repository.owner_usage(session)
-        live = {row.id for row in rows}
-        for job_id in self._templates.keys() - live:  # ended: its template is not needed again
-            del self._templates[job_id], self._max_steps[job_id]
+        for job_id in ended:  # its template is not needed again
+            self._forget(job_id)
         waiting_before = {
             row.id: (row.queue_position, row.waiting_reason, _rounded(to_time(row.eta_at)))
             for row in rows
             if row.state is JobState.QUEUED
         }
-        queued = [self._templates[row.id] for row in rows if row.state is JobState.QUEUED]
+        queued = [self._queued_gang(row.id) for row in rows if row.state is JobState.QUEUED]
         active = [self._gang(row, now=now) for row in rows if row.state in ACTIVE_STATES]
         cluster = self.backend.snapshot()
         self.requeue_unplaceable(rows, cluster, now=now)
@@ -620,7 +635,11 @@ class Scheduler:
         for row in rows:
             template = self._templates.get(row.id)
             if template is not None and (template.queue, template.priority) != (row.queue, row.priority):
-                del self._templates[row.id], self._max_steps[row.id]
+                self._forget(row.id)
+
+    def _forget(self, job_id: int) -> None:
+        del self._templates[job_id], self._facts[job_id]
+        self._estimates.pop(job_id, None)
 
     def _unreachable_storage(self, cluster: ClusterSnapshot) -> str:
         """Why no job can start: checkpoint storage that the cluster's other nodes cannot reach (a local
@@ -705,7 +724,25 @@ class Scheduler:
                 owner=owner,
                 submitted_at=to_time(created_at) or 0.0,
             )
-            self._max_steps[job_id] = spec.max_steps
+            size = job_size(spec.resources_per_worker, spec.min_workers)
+            self._facts[job_id] = _Facts(name=spec.name, max_steps=spec.max_steps, size=size)
+
+    def _estimate(self, job_id: int) -> tuple[float | None, Gang]:
+        """History's estimate of the job's whole duration (never beyond its max_runtime_s), and its gang
+        as the policy sees it queued (`estimated_runtime_s`); computed again when the history changes."""
+        cached = self._estimates.get(job_id)
+        if cached is not None and cached[0] == self.history.version:
+            return cached[1], cached[2]
+        template, facts = self._templates[job_id], self._facts[job_id]
+        expected = self.history.estimate(
+            owner=template.owner, name=facts.name, size=facts.size, declared_s=template.max_runtime_s
+        )
+        gang = replace(template, estimated_runtime_s=expected)
+        self._estimates[job_id] = (self.history.version, expected, gang)
+        return expected, gang
+
+    def _queued_gang(self, job_id: int) -> Gang:
+        return self._estimate(job_id)[1]
 
     def _gang(self, row: Any, *, now: float) -> Gang:
         """An active job as the policy sees it: its gang, and its progress. Its attempt started when it
@@ -721,14 +758,21 @@ class Scheduler:
         )
 
     def _expected_end(self, row: Any, gang: Gang, *, started_at: float | None, now: float) -> float | None:
-        """When the job will release its gang: its max_runtime_s, or its pace toward max_steps."""
+        """When the job will release its gang: what the estimates say is left of it
+        (`service.scheduling.estimates.live_remaining_s`: its measured pace toward max_steps, or history
+        early on), never beyond its max_runtime_s."""
         ends = []
         if gang.max_runtime_s is not None:
             ends.append((started_at if started_at is not None else now) + gang.max_runtime_s)
-        max_steps = self._max_steps[row.id]
+        max_steps = self._facts[row.id].max_steps
+        pace_s = None
         if row.seconds_per_step and row.latest_step is not None and max_steps is not None:
             steps_left = max_steps - row.latest_step
-            ends.append(now + time_to_finish_s(steps_left=steps_left, step_time_s=row.seconds_per_step))
+            pace_s = time_to_finish_s(steps_left=steps_left, step_time_s=row.seconds_per_step)
+        ran_s = max(0.0, now - started_at) if started_at is not None else 0.0
+        remaining = live_remaining_s(ran_s=ran_s, pace_s=pace_s, expected_s=self._estimate(row.id)[0])
+        if remaining is not None:
+            ends.append(now + remaining)
         return min(ends) if ends else None
 
     def _update_usage(

@@ -218,6 +218,59 @@ def specs(session: Session, job_ids: Sequence[int], *, chunk: int = 5000) -> lis
     return found
 
 
+def ended_runs(
+    session: Session,
+    *,
+    states: Sequence[JobState],
+    submitted_since: datetime | None = None,
+    job_ids: Sequence[int] | None = None,
+    limit: int | None = None,
+) -> list[Any]:
+    """Jobs in `states` that ran (they have a first start), newest first (by id), as (id, name, owner,
+    queue, priority, state, spec, created_at, finished_at, seconds_per_step, preemptions): those
+    submitted since `submitted_since`, or those of `job_ids`, at most `limit` of them."""
+    columns = (
+        Job.id,
+        Job.name,
+        Job.owner,
+        Job.queue,
+        Job.priority,
+        Job.state,
+        Job.spec,
+        Job.created_at,
+        Job.finished_at,
+        Job.seconds_per_step,
+        Job.preemptions,
+    )
+    query = select(*columns).where(Job.state.in_(states), Job.started_at.is_not(None)).order_by(Job.id.desc())
+    if submitted_since is not None:
+        query = query.where(Job.created_at >= submitted_since)
+    if job_ids is None:
+        return list(session.execute(query.limit(limit)))
+    found: list[Any] = []
+    for start in range(0, len(job_ids), 5000):
+        found += session.execute(query.where(Job.id.in_(job_ids[start : start + 5000])))
+    return sorted(found, key=lambda row: -row.id)[:limit]
+
+
+def state_changes(session: Session, job_ids: Sequence[int], *, chunk: int = 5000) -> list[Any]:
+    """(job_id, at, to_state) of every transition of `job_ids` (notes that keep the state left out),
+    by job, each job's in order."""
+    found: list[Any] = []
+    for start in range(0, len(job_ids), chunk):
+        query = (
+            select(JobEvent.job_id, JobEvent.at, JobEvent.to_state)
+            .where(
+                JobEvent.job_id.in_(job_ids[start : start + chunk]),
+                JobEvent.to_state.is_not(None),
+                or_(JobEvent.from_state.is_(None), JobEvent.from_state != JobEvent.to_state),
+            )
+            .order_by(JobEvent.job_id, JobEvent.id)
+        )
+        found += session.execute(query)
+    return found
+
+
 def count_unfinished(session: Session) -> dict[tuple[str, JobState], int]:
     """(queue, state) -> how many jobs, for queued and active jobs."""
     states = (JobState.QUEUED, *ACTIVE_STATES)

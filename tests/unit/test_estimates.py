@@ -1,20 +1,28 @@
-"""The estimates the policy and the simulator share (`service.scheduling.estimates`)."""
+"""The estimates the policy and the simulator share (`service.scheduling.estimates`), and what the live
+service reads of its ended jobs (`service.scheduling.history`)."""
 
 from __future__ import annotations
 
 import math
 import statistics
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 
 import pytest
 
+from service.contract.states import JobState
 from service.scheduling.estimates import (
     PACE_AFTER_S,
     History,
+    job_size,
+    live_remaining_s,
     pace_error,
     pace_remaining_s,
     simulated_remaining_s,
     size_class,
 )
+from service.scheduling.history import LiveHistory, ended_job
+from tests.support.history import job_spec
 
 
 def test_history_prefers_the_closest_kind_of_job_with_enough_of_them() -> None:
@@ -67,3 +75,83 @@ def test_the_simulated_pace_errs_by_a_fixed_log_normal_factor_per_job() -> None:
     assert young == 800  # before PACE_AFTER_S: what was expected, less the work done
     assert simulated_remaining_s(**truth, ran_s=60, expected_s=None, done_s=0) is None
     assert simulated_remaining_s(**truth, ran_s=PACE_AFTER_S, expected_s=900, done_s=0) == 1500
+
+
+# -- the estimates as the live service uses them ---------------------------------------------------
+
+
+def test_a_running_job_trusts_its_pace_after_a_few_minutes_and_history_before() -> None:
+    # Young: history's expected duration less what it ran (the early pace says little)...
+    assert live_remaining_s(ran_s=10, pace_s=5000, expected_s=30) == 20
+    assert live_remaining_s(ran_s=40, pace_s=5000, expected_s=30) == 0  # overdue: ends any moment
+    # ...unless there is no history: then the early pace is better than nothing.
+    assert live_remaining_s(ran_s=10, pace_s=5000, expected_s=None) == 5000
+    assert live_remaining_s(ran_s=10, pace_s=None, expected_s=None) is None
+    # After PACE_AFTER_S the measured pace wins over history.
+    assert live_remaining_s(ran_s=PACE_AFTER_S, pace_s=5000, expected_s=30) == 5000
+    assert live_remaining_s(ran_s=PACE_AFTER_S, pace_s=None, expected_s=900) == 900 - PACE_AFTER_S
+
+
+def test_a_jobs_size_is_its_gpus_or_its_cpus_without_any() -> None:
+    assert job_size({"CPU": 4, "GPU": 2}, 3) == 6
+    assert job_size({"CPU": 4}, 3) == 12
+    assert job_size({"CPU": 4, "GPU": 0}, 1) == 4
+
+
+def _row(**fields: object) -> SimpleNamespace:
+    values: dict[str, object] = {
+        "id": 7,
+        "name": "bert",
+        "owner": "ada",
+        "queue": "research",
+        "priority": 0,
+        "state": JobState.SUCCEEDED,
+        "spec": job_spec(name="bert", num_workers=2, resources_per_worker={"CPU": 1, "GPU": 4}).model_dump(),
+        "created_at": T0,
+        "finished_at": None,
+        "seconds_per_step": 2.0,
+        "preemptions": 1,
+    }
+    return SimpleNamespace(**(values | fields))
+
+
+T0 = datetime(2026, 1, 5, 9, 0, tzinfo=UTC)
+
+
+def _at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def test_an_ended_job_ran_every_second_it_was_running_and_waited_every_second_it_was_queued() -> None:
+    # Queued 60 s, admitted, running from 70 s to 1070 s, preempted (stopping 30 s), queued again
+    # 200 s, admitted, running 500 s more: SQLite's times come back without their zone.
+    changes = [
+        (_at(60), JobState.ADMITTED),
+        (_at(70), JobState.RUNNING),
+        (_at(1070), JobState.PREEMPTING),
+        (_at(1100), JobState.QUEUED),
+        (_at(1300).replace(tzinfo=None), JobState.ADMITTED),
+        (_at(1310), JobState.RUNNING),
+        (_at(1810), JobState.SUCCEEDED),
+    ]
+    job = ended_job(_row(), changes)
+    assert (job.ran_s, job.queued_s) == (1500, 260)
+    assert job.first_admitted_at == T0.timestamp() + 60 and job.submitted_at == T0.timestamp()
+    assert job.size == 8 and job.preemptions == 1
+
+
+def test_the_live_history_estimates_from_the_jobs_it_recorded() -> None:
+    live = LiveHistory()
+    jobs = [
+        ended_job(
+            _row(id=i),
+            [(_at(0), JobState.ADMITTED), (_at(1), JobState.RUNNING), (_at(31), JobState.SUCCEEDED)],
+        )
+        for i in range(3)
+    ]
+    version = live.version
+    live.record(jobs)
+    assert live.version == version + 1
+    assert live.estimate(owner="ada", name="bert", size=8, declared_s=3600) == 30
+    assert live.estimate(owner="bob", name="gpt", size=8, declared_s=3600) == 30  # the size class
+    assert live.estimate(owner="bob", name="gpt", size=64, declared_s=3600) == 3600  # none of that size
