@@ -28,6 +28,11 @@ from service.contract.errors import one_line
 from service.contract.spec import DataFormat
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
+    from service.contract.queues import QueuesConfig
+    from service.scheduling.replay import Observed, Replay
+    from service.scheduling.simulate import SimResult
     from service.settings import Settings
 
 app = typer.Typer(
@@ -194,41 +199,121 @@ def simulate(
     node: Annotated[str, typer.Option(help="Resources of one node.")] = "CPU=32,GPU=8",
     policy: Annotated[str, typer.Option(help="two-queue, fifo, greedy or share-first.")] = "two-queue",
     queues_file: Annotated[
-        Path | None, typer.Option("--queues", help="Queue configuration (YAML/JSON) over the defaults.")
+        Path | None,
+        typer.Option(
+            "--queues",
+            help="Queue configuration (YAML/JSON) over the defaults (with --from-db: instead of the "
+            "service's own).",
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
     generate: Annotated[
         int | None, typer.Option(min=1, help="Write a generated trace of this many jobs to stdout instead.")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of --generate.")] = 0,
+    from_db: Annotated[
+        bool,
+        typer.Option(
+            "--from-db",
+            help="Replay the jobs of the service's database (APIARY_DATABASE_URL) that ran and ended, "
+            "and show what really happened to them beside.",
+        ),
+    ] = False,
+    since: Annotated[
+        str | None,
+        typer.Option(help="With --from-db: the jobs submitted within this span before now [default: 14d]."),
+    ] = None,
 ) -> None:
-    """Replay a job trace through a scheduling policy in simulated time (no Ray, no database), or
-    generate a trace: most jobs small and short, a few large and long, bursty daily arrivals."""
-    from rich.table import Table
-
+    """Replay a job trace, or the service's own finished jobs (--from-db), through a scheduling policy
+    in simulated time (no Ray), or generate a trace: most jobs small and short, a few large and long,
+    bursty daily arrivals."""
     from service.contract.queues import load
     from service.scheduling import simulate as sim
 
     if generate is not None:
         sim.write_trace(sim.generate(generate, seed=seed), sys.stdout)
         return
-    if trace is None:
-        _usage_error("give a TRACE.csv to replay, or --generate N to write one")
+    if since is not None and not from_db:
+        _usage_error("--since goes with --from-db")
+    if trace is None and not from_db:
+        _usage_error("give a TRACE.csv to replay, --from-db to replay the service's jobs, or --generate N")
+    if trace is not None and from_db:
+        _usage_error("give a TRACE.csv or --from-db, not both")
     if policy not in sim.POLICIES:
         _usage_error(f"--policy must be one of {', '.join(sim.POLICIES)}, got {policy!r}")
+    replayed = None
     try:
         resources = sim.parse_node(node)
-        opener = gzip.open if trace.suffix == ".gz" else open  # the suite's traces are gzipped
-        with opener(trace, "rt", newline="", encoding="utf-8") as source:
-            jobs = sim.read_trace(source, nodes=nodes, node=resources)
         queues = load(queues_file)
+        if trace is not None:
+            opener = gzip.open if trace.suffix == ".gz" else open  # the suite's traces are gzipped
+            with opener(trace, "rt", newline="", encoding="utf-8") as source:
+                jobs = sim.read_trace(source, nodes=nodes, node=resources)
+        else:
+            replayed, service_queues = _replay_from_db(since or "14d", nodes=nodes, node=resources)
+            jobs = replayed.trace
+            queues = queues if queues_file is not None else service_queues
     except (OSError, ValueError) as err:
         _usage_error(one_line(err))
     result = sim.simulate(jobs, nodes=nodes, node=resources, policy=policy, queues=queues)
     if as_json:
-        print(json.dumps(result.to_json(), allow_nan=False))
+        out = result.to_json()
+        if replayed is not None:
+            out |= {"real": replayed.observed.to_json(), "left_out": replayed.left_out}
+        print(json.dumps(out, allow_nan=False))
         return
-    table = Table(title=f"{policy}: {result.jobs} jobs on {nodes} x {node}")
+    console.print(_wait_table(f"{policy}: {result.jobs} jobs on {nodes} x {node}", result))
+    console.print(
+        f"utilization {result.utilization:.3f} (first arrival to last submission); "
+        f"{result.preemptions} preemptions losing "
+        f"{result.lost_gpu_hours:.1f} GPU-hours ({result.lost_work_s / 3600:.1f} job-hours); "
+        f"{result.unfinished} job(s) could never run; makespan {_duration(result.makespan_s)}"
+    )
+    if replayed is not None:
+        real = replayed.observed
+        console.print(_wait_table(f"what really happened: {real.jobs} jobs", real))
+        left_out = "".join(f"; {count} left out: {why}" for why, count in replayed.left_out.items())
+        console.print(f"{real.preemptions} preemptions really{left_out}")
+
+
+def _replay_from_db(since: str, *, nodes: int, node: dict[str, float]) -> tuple[Replay, QueuesConfig]:
+    """The jobs of the service's database submitted within `since` that ran and ended, as a trace on
+    `nodes` x `node`, and the service's own queues; ValueError for bad input or no such jobs."""
+    _need("simulate --from-db", "server")
+    import time
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from service.scheduling import replay
+    from service.scheduling.simulate import node_cluster
+    from service.store.db import Database
+
+    settings = _settings()
+    since_s = replay.parse_since(since)
+    try:
+        db = Database(settings.resolved_database_url)
+    except SQLAlchemyError as err:  # a malformed URL, an unknown driver
+        raise ValueError(f"APIARY_DATABASE_URL: {one_line(err)}") from None
+    try:
+        ended = replay.load_ended(db, submitted_since=time.time() - since_s)
+    except SQLAlchemyError as err:  # unreachable, or not an Apiary database
+        console.print(f"[red]error:[/] the database: {one_line(err.__cause__ or err)}")
+        raise typer.Exit(1) from None
+    finally:
+        db.dispose()
+    if not ended:
+        raise ValueError(
+            f"no job submitted in the last {since} has run and ended: nothing to replay (a longer --since?)"
+        )
+    busy_key = "GPU" if node.get("GPU") else "CPU"
+    return replay.replay(ended, cluster=node_cluster(nodes, node), busy_key=busy_key), settings.queues
+
+
+def _wait_table(title: str, result: SimResult | Observed) -> Table:
+    """The waits per queue (first start, and all time queued) and per size class."""
+    from rich.table import Table
+
+    table = Table(title=title)
     for column in ("", "jobs", "wait p50", "p95", "p99", "mean", "max"):
         table.add_column(column, justify="right" if column else "left")
     rows = [
@@ -242,13 +327,7 @@ def simulate(
             str(stats.jobs),
             *(_duration(getattr(stats, key)) for key in ("p50", "p95", "p99", "mean", "max")),
         )
-    console.print(table)
-    console.print(
-        f"utilization {result.utilization:.3f} (first arrival to last submission); "
-        f"{result.preemptions} preemptions losing "
-        f"{result.lost_gpu_hours:.1f} GPU-hours ({result.lost_work_s / 3600:.1f} job-hours); "
-        f"{result.unfinished} job(s) could never run; makespan {_duration(result.makespan_s)}"
-    )
+    return table
 
 
 def _duration(seconds: float) -> str:

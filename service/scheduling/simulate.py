@@ -33,9 +33,9 @@ import heapq
 import io
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO, TypeVar
 
 import numpy as np
 
@@ -176,7 +176,7 @@ def read_trace(
     missing = [column for column in COLUMNS[:-1] if column not in fieldnames]
     if missing:
         raise TraceError(f"the trace lacks the column(s) {', '.join(missing)}")
-    cluster = _cluster(nodes, node) if nodes is not None and node is not None else None
+    cluster = node_cluster(nodes, node) if nodes is not None and node is not None else None
     jobs: list[TraceJob] = []
     first_row: dict[int, int] = {}
     for row_number, row in enumerate(reader, start=2):
@@ -232,7 +232,7 @@ def _node_text(node: Mapping[str, float]) -> str:
     return ",".join(f"{key}={amount:g}" for key, amount in node.items())
 
 
-def _cluster(nodes: int, node: Mapping[str, float]) -> ClusterSnapshot:
+def node_cluster(nodes: int, node: Mapping[str, float]) -> ClusterSnapshot:
     return ClusterSnapshot(
         nodes=tuple(NodeCapacity(node_id=f"n{i}", resources=dict(node)) for i in range(nodes))
     )
@@ -398,7 +398,7 @@ def simulate(
     the invariants are verified at every event (`InvariantError`)."""
     decide = POLICIES[policy]
     check_jobs(jobs)
-    cluster = _cluster(nodes, node)
+    cluster = node_cluster(nodes, node)
     totals = {key: amount * nodes for key, amount in node.items()}
     busy_key = "GPU" if totals.get("GPU") else "CPU"
     runs: dict[int, _Run] = {}
@@ -664,15 +664,8 @@ def _summarize(
         lost_gpu_hours=lost_gpu_s / 3600,
         busy_gpu_s=busy_s if busy_key == "GPU" else 0.0,
         makespan_s=makespan,
-        queues={
-            name: QueueStats(
-                wait=_stats([_wait(run) for run in members]),
-                queued=_stats([run.queued_s for run in members]),
-                preemptions_per_job=sum(run.preemptions for run in members) / max(1, len(members)),
-            )
-            for name, members in sorted(by_queue.items())
-        },
-        size_classes={name: _stats(by_size[name]) for _, name in SIZE_CLASSES if name in by_size},
+        queues={name: queue_stats(members, wait=_wait) for name, members in sorted(by_queue.items())},
+        size_classes={name: wait_stats(by_size[name]) for _, name in SIZE_CLASSES if name in by_size},
         decisions=decisions,
         refused=refused,
         cut_at_limit=cut_at_limit,
@@ -701,7 +694,29 @@ def check_jobs(jobs: Sequence[TraceJob]) -> None:
         seen.add(job.job_id)
 
 
-def _stats(waits: list[float]) -> WaitStats:
+class Waited(Protocol):
+    """A job as the wait statistics see it (a simulated run, or a job that really ran)."""
+
+    @property
+    def queued_s(self) -> float: ...
+
+    @property
+    def preemptions(self) -> int: ...
+
+
+W = TypeVar("W", bound=Waited)
+
+
+def queue_stats(members: Sequence[W], *, wait: Callable[[W], float]) -> QueueStats:
+    """A queue's waits (`wait`: first start - submission), all time queued, and preemptions per job."""
+    return QueueStats(
+        wait=wait_stats([wait(member) for member in members]),
+        queued=wait_stats([member.queued_s for member in members]),
+        preemptions_per_job=sum(member.preemptions for member in members) / max(1, len(members)),
+    )
+
+
+def wait_stats(waits: list[float]) -> WaitStats:
     ordered = sorted(waits)
 
     def pct(q: float) -> float:

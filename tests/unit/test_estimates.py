@@ -1,5 +1,5 @@
 """The estimates the policy and the simulator share (`service.scheduling.estimates`), and what the live
-service reads of its ended jobs (`service.scheduling.history`)."""
+service and `apiary simulate --from-db` read of its ended jobs (`service.scheduling.history`, `.replay`)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from service.scheduling.estimates import (
     size_class,
 )
 from service.scheduling.history import LiveHistory, ended_job
+from service.scheduling.replay import parse_since, replay
+from service.scheduling.simulate import node_cluster
 from tests.support.history import job_spec
 
 
@@ -155,3 +157,43 @@ def test_the_live_history_estimates_from_the_jobs_it_recorded() -> None:
     assert live.estimate(owner="ada", name="bert", size=8, declared_s=3600) == 30
     assert live.estimate(owner="bob", name="gpt", size=8, declared_s=3600) == 30  # the size class
     assert live.estimate(owner="bob", name="gpt", size=64, declared_s=3600) == 3600  # none of that size
+
+
+def test_since_is_a_positive_span_with_a_unit() -> None:
+    assert parse_since("14d") == 14 * 86400 and parse_since("12h") == 43200 and parse_since("1.5m") == 90
+    assert parse_since("2w") == 14 * 86400
+    for bad in ("", "14", "d", "-3d", "0h", "14x", "infd", "nand", "1e9w"):
+        with pytest.raises(ValueError, match="--since must be"):
+            parse_since(bad)
+
+
+def test_a_replay_traces_what_ran_from_the_first_submission_and_observes_the_real_waits() -> None:
+    every_steps = job_spec(name="a", checkpoint={"every_steps": 50}).model_dump()
+    jobs = [
+        ended_job(
+            _row(id=1, spec=every_steps, preemptions=0),
+            [(_at(10), JobState.ADMITTED), (_at(12), JobState.RUNNING), (_at(612), JobState.SUCCEEDED)],
+        ),
+        ended_job(
+            _row(id=2, created_at=_at(100), queue="full-scale", preemptions=0),
+            [(_at(400), JobState.ADMITTED), (_at(401), JobState.RUNNING), (_at(401.02), JobState.FAILED)],
+        ),
+        ended_job(
+            _row(id=3, spec=job_spec(resources_per_worker={"memory": 1e9}).model_dump()),
+            [(_at(0), JobState.ADMITTED), (_at(1), JobState.RUNNING), (_at(2), JobState.SUCCEEDED)],
+        ),
+    ]
+    replayed = replay(jobs, cluster=node_cluster(1, {"CPU": 8, "GPU": 8}), busy_key="GPU")
+    first, second = replayed.trace
+    assert (first.submit_s, first.duration_s, first.checkpoint_every_s) == (0, 600, 100)  # 50 steps x 2 s
+    assert (first.num_workers, first.cpu_per_worker, first.gpu_per_worker) == (2, 1, 0)
+    assert (second.submit_s, second.duration_s, second.queue) == (100, 1, "full-scale")  # at least 1 s
+    assert replayed.left_out == {"asks for neither CPU nor GPU": 1}
+    real = replayed.observed
+    assert (
+        real.jobs == 2
+        and real.queues["research"].wait.max == 10
+        and real.queues["full-scale"].wait.max == 300
+    )
+    with pytest.raises(ValueError, match=r"job 1 \(bert\): a gang of 2 x \(GPU 4, CPU 1\) fits no node"):
+        replay([ended_job(_row(id=1), [])], cluster=node_cluster(1, {"CPU": 8, "GPU": 2}), busy_key="GPU")
