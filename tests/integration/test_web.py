@@ -72,6 +72,16 @@ def post_steps(service: Service, job_id: int, steps: range) -> None:
             "phase_since": now,
             "node": f"10.0.0.{rank + 1}",
             "pid": 100 + rank,
+            # What its process uses: rank 1 holds three times the memory (an outlier after 3 posts).
+            "system": {
+                "sampled_at": now,
+                "cpu_percent": 180.0,
+                "rss_bytes": (1 + 2 * rank) * 2**30,
+                "data_read_bytes": 10_000_000,
+                "data_read_bytes_per_s": 2_500_000.0,
+                "net_sent_bytes_per_s": 40_000.0,
+                "net_recv_bytes_per_s": 52_000.0,
+            },
         }
         body = {"attempt": 1, "points": points, "status": status}
         assert service.report(job_id, body).status_code == 202
@@ -120,6 +130,10 @@ def test_the_queue_view_follows_a_job_live_in_a_browser(
     post_steps(service, job["id"], range(60, 90))  # live, through the job's stream
     expect(chart).to_have_attribute("data-points", "90", timeout=15_000)
     expect(page.locator("tr[data-rank='1'] .step-time")).to_have_text("80.0 ms")
+    post_steps(service, job["id"], range(90, 95))  # the third post in a row: rank 1's memory stands out
+    rss = page.locator("tr[data-rank='1'] td[data-figure='rss_bytes']")
+    expect(rss).to_have_class("outlier", timeout=15_000)
+    expect(rss).to_have_text("3.0 GiB")
     page.screenshot(path=str(ARTIFACTS / "web-job.png"), full_page=True)
 
     page.locator("#cancel").click()
