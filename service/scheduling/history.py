@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 
 from service.contract.spec import JobSpec
 from service.contract.states import JobState
-from service.scheduling.estimates import History, job_size
+from service.scheduling.estimates import History, job_size, size_class
 from service.store import repository
 
 # The jobs the live history reads when a replica takes the scheduler lease (History keeps the last
@@ -117,10 +117,12 @@ class LiveHistory:
         self.history = History()
         self.version = 0
         self.loaded = False
+        self._estimates: dict[tuple[str, str, str, float | None], float | None] = {}
 
     def load(self, session: Session) -> None:
         """Start again from the last `load_jobs` jobs that ended by themselves."""
         self.history = History()
+        self._estimates.clear()
         rows = repository.ended_runs(session, states=LEARNED_STATES, limit=self.load_jobs)
         self.record(ended_jobs(session, rows))
         self.loaded = True
@@ -131,10 +133,16 @@ class LiveHistory:
         self.record(ended_jobs(session, rows))
 
     def estimate(self, *, owner: str, name: str, size: float, declared_s: float | None) -> float | None:
-        return self.history.estimate(owner=owner, name=name, size=size, declared_s=declared_s)
+        # Many queued jobs are of one kind: each kind is estimated once per version of the history.
+        key = (owner, name, size_class(size), declared_s)
+        if key not in self._estimates:
+            estimate = self.history.estimate(owner=owner, name=name, size=size, declared_s=declared_s)
+            self._estimates[key] = estimate
+        return self._estimates[key]
 
     def record(self, jobs: Sequence[EndedJob]) -> None:
         for job in jobs:
             self.history.record(owner=job.owner, name=job.name, size=job.size, duration_s=job.ran_s)
         if jobs:
             self.version += 1
+            self._estimates.clear()

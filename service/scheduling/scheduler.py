@@ -737,7 +737,11 @@ class Scheduler:
         expected = self.history.estimate(
             owner=template.owner, name=facts.name, size=facts.size, declared_s=template.max_runtime_s
         )
-        gang = replace(template, estimated_runtime_s=expected)
+        # The history changed, but rarely this job's estimate: keep its gang then.
+        if cached is not None and cached[1] == expected:
+            gang = cached[2]
+        else:
+            gang = replace(template, estimated_runtime_s=expected)
         self._estimates[job_id] = (self.history.version, expected, gang)
         return expected, gang
 

@@ -152,9 +152,10 @@ def test_the_live_history_estimates_from_the_jobs_it_recorded() -> None:
         for i in range(3)
     ]
     version = live.version
+    assert live.estimate(owner="ada", name="bert", size=8, declared_s=3600) == 3600  # no history yet
     live.record(jobs)
     assert live.version == version + 1
-    assert live.estimate(owner="ada", name="bert", size=8, declared_s=3600) == 30
+    assert live.estimate(owner="ada", name="bert", size=8, declared_s=3600) == 30  # not what it said before
     assert live.estimate(owner="bob", name="gpt", size=8, declared_s=3600) == 30  # the size class
     assert live.estimate(owner="bob", name="gpt", size=64, declared_s=3600) == 3600  # none of that size
 
