@@ -7,9 +7,10 @@ shipped code).
 
 The replica that holds the scheduler lease runs `SweepRunner.tick()` every `sweep_interval_s`; for each
 running sweep it:
-1. judges the running trials at their highest rung (ASHA, `service.contract.sweep.asha_keeps`): a
-   loser is told to checkpoint and stop (`StopReason.PRUNED`) and ends `pruned`, with the rung and
-   its value in its message; `POST /jobs/{id}/resume` queues it again, from that checkpoint;
+1. judges each running trial at the highest rung it has reached where at least `reduction_factor`
+   trials have a value (ASHA, `service.contract.sweep.asha_keeps`): a loser is told to checkpoint
+   and stop (`StopReason.PRUNED`) and ends `pruned`, with the rung and its value in its message;
+   `POST /jobs/{id}/resume` queues it again, from that checkpoint;
 2. starts trials while fewer than `parallel` are queued or running and fewer than the sweep's total
    exist: trial N's point is the grid's N-th, or drawn from (seed, N), or asked of Optuna's TPE told
    every finished trial's objective. A trial is created in one transaction, unique per (sweep, N):
@@ -270,19 +271,26 @@ class SweepRunner:
         assert early is not None
         steps = rungs(early, max_steps=max_steps_of(spec))
         at_rung: dict[int, list[float]] = {}
-        reached: dict[int, int] = {}  # job id -> its highest rung reached
+        reached: dict[int, list[int]] = {}  # job id -> the rungs it has reached, lowest first
         for trial in trials:
             last_step = trial.series[-1][0] if trial.series else 0
             for rung in steps:
                 value = value_at(trial.series, rung)
                 if rung <= last_step and value is not None:
                     at_rung.setdefault(rung, []).append(value)
-                    reached[trial.job.id] = rung
+                    reached.setdefault(trial.job.id, []).append(rung)
         for trial in trials:
-            highest = reached.get(trial.job.id)
-            if trial.job.state is not JobState.RUNNING or highest is None:
+            if trial.job.state is not JobState.RUNNING:
                 continue
-            rung = highest
+            # Its highest rung where enough trials can be compared: a trial that runs ahead of the
+            # others (it started first, or passed several rungs between two passes) is judged where
+            # they are, not let through until it ends.
+            comparable = [
+                r for r in reached.get(trial.job.id, []) if len(at_rung[r]) >= early.reduction_factor
+            ]
+            if not comparable:
+                continue
+            rung = comparable[-1]
             value = value_at(trial.series, rung)
             assert value is not None
             others = at_rung[rung]

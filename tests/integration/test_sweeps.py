@@ -1,6 +1,7 @@
 """Sweeps over real HTTP on SQLite and PostgreSQL, with a fake cluster (Ray is not under test): trials
-are ordinary jobs, grid covers exactly its points, ASHA prunes the losers (which can be resumed), a
-restarted runner (or a second leader) neither loses nor repeats a trial, and the best is reported."""
+are ordinary jobs, grid covers exactly its points, ASHA prunes the losers (a trial ahead of the
+others too, at the rung where they can be compared; a pruned trial can be resumed), a restarted
+runner (or a second leader) neither loses nor repeats a trial, and the best is reported."""
 
 from __future__ import annotations
 
@@ -116,8 +117,9 @@ def test_asha_prunes_the_losers_at_their_rung_and_a_pruned_trial_resumes(
     started = trials(service, sweep["id"])
     assert len(started) == 4
     submissions = {t["job"]: run(service, t["job"]) for t in started}
-    for t in started:  # trials 2 and 3 diverge
+    for t in started:  # trials 2 and 3 diverge; 3 runs ahead, to a rung where it is alone
         report(service, t["job"], {5: 2.0, 10: 1.0 if t["trial"] < 2 else 5.0 + t["trial"]})
+    report(service, started[3]["job"], {20: 9.0})
     runner.tick()
     states = {t["trial"]: service.job(t["job"]) for t in started}
     assert [states[i]["state"] for i in range(4)] == ["running", "running", "preempting", "preempting"]
