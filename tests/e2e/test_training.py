@@ -1,6 +1,7 @@
 """Through HTTP to a real local Ray: submit, train on 2 workers, checkpoint; preempt and resume
-exactly; cancel; fail clearly. (What becomes of serve's local Ray when serve crashes or stops cleanly
-is checked in tests/e2e/test_recovery.py, on the way to recovering a job through each.)"""
+exactly; cancel; fail clearly; a sweep whose ASHA prunes the diverging trials. (What becomes of
+serve's local Ray when serve crashes or stops cleanly is checked in tests/e2e/test_recovery.py, on
+the way to recovering a job through each.)"""
 
 from __future__ import annotations
 
@@ -156,3 +157,54 @@ def test_a_bad_dataset_fails_with_a_reason_a_user_can_act_on(client: ApiaryClien
     job = client.wait(job.id, timeout_s=180)
     assert job.state == "failed"
     assert "tokens" in job.message, job.message
+
+
+def test_a_sweep_prunes_the_diverging_lr_with_asha_and_reports_the_best(
+    client: ApiaryClient, dataset: str
+) -> None:
+    """A grid over lr (1000 diverges) and width, 2 trials at once: each diverging trial is compared
+    with the others at a rung, stopped with a checkpoint and ends `pruned`; the best is a converging
+    one. The trials' steps take milliseconds: 1500 of them outlast the sweep's passes (2 s) and the
+    telemetry's round trips (1 s each way) that carry a decision to a trial.
+    (A restart mid-sweep and the grid's exact coverage: tests/integration/test_sweeps.py.)"""
+    base = mlp_spec(
+        dataset,
+        name="e2e-sweep",
+        num_workers=1,
+        max_steps=1500,
+        checkpoint={},
+        eval={"dataset": {"uri": dataset}, "every_steps": 10, "max_batches": 2},
+        on_anomaly="warn",  # a diverging lr is the sweep's to stop, not a failure
+    )
+    sweep = client.sweep(
+        {
+            "name": "e2e-sweep",
+            "base": base,
+            "space": {
+                "config.lr": {"choice": [0.05, 1000.0]},
+                "config.hidden_sizes": {"choice": [[8], [32]]},
+            },
+            "method": "grid",
+            "parallel": 2,
+            "objective": {"metric": "eval_loss", "mode": "min"},
+            "early_stopping": {"method": "asha", "min_steps": 10, "reduction_factor": 2},
+        }
+    )
+    done = wait_until(
+        lambda: (view := client.get_sweep(sweep.id)).state != "running" and view,
+        timeout_s=300,
+        interval_s=1,
+        what=f"sweep {sweep.id} ending",
+    )
+    assert done.state == "succeeded", done
+    points = {(t.params["config.lr"], tuple(t.params["config.hidden_sizes"])) for t in done.trials}
+    assert points == {(0.05, (8,)), (0.05, (32,)), (1000.0, (8,)), (1000.0, (32,))}, done.trials
+    for trial in done.trials:
+        if trial.params["config.lr"] == 1000.0:
+            assert trial.state == "pruned", trial
+            assert "pruned at rung" in (trial.message or ""), trial
+            assert (trial.step or 0) < 1500, trial
+            assert client.get(trial.job).latest_checkpoint_step == trial.step, trial  # resumable
+    assert done.best is not None and done.best.params["config.lr"] == 0.05, done
+    assert done.best.state == "succeeded" and done.best.objective is not None and done.best.objective < 1.0
+    assert client.best_spec(sweep.id).config["lr"] == 0.05
