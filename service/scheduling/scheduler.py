@@ -410,8 +410,15 @@ class Scheduler:
             # A Ray Train function stops at its next report, which may carry no checkpoint.
             where = f"{where}, {steps_lost} step(s) after it lost"
         if step is not None and spec.max_steps is not None and step >= spec.max_steps:
+            # A sweep's stop that came too late leaves no "pruned at rung ..." on a job that succeeded.
+            message = None if job.stop_requested == StopReason.PRUNED else job.message
             repository.transition(
-                session, job, JobState.SUCCEEDED, actor="reconciler", reason=f"reached max_steps ({where})"
+                session,
+                job,
+                JobState.SUCCEEDED,
+                actor="reconciler",
+                reason=f"reached max_steps ({where})",
+                message=message,
             )
         elif job.stop_requested == StopReason.PRUNED:
             repository.transition(

@@ -135,9 +135,17 @@ def test_asha_prunes_the_losers_at_their_rung_and_a_pruned_trial_resumes(
         },
     ).json()
     assert reply["stop"] is True
-    for job_id in (states[2]["id"], loser["id"]):
+    # Trial 2 reached its max_steps before the stop reached it: it succeeded, and says nothing of a prune.
+    finished_first = states[2]["id"]
+    last = {"step": 40, "uri": service.checkpoint_uri(finished_first, "checkpoint_00000040")}
+    assert service.report(finished_first, {"attempt": 1, "points": [], "checkpoint": last}).status_code == 202
+    for job_id in (finished_first, loser["id"]):
         service.backend.statuses[submissions[job_id]] = RayJobStatus.SUCCEEDED
     service.tick()
+    assert (service.job(finished_first)["state"], service.job(finished_first)["message"]) == (
+        "succeeded",
+        None,
+    )
     pruned = service.job(loser["id"])
     assert pruned["state"] == "pruned"
     assert "pruned at rung 10 steps: loss 8 is not in the best 1/2 of the 4 trials there" in pruned["message"]
