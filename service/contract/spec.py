@@ -48,6 +48,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _RESOURCE = re.compile(r"[A-Za-z_][A-Za-z0-9_:.-]{0,63}")
 MAX_TRAINER_CHARS = 256
 MAX_RESOURCES = 32
+# A step metric's name (checkpoint.keep_best, plateau).
+_METRIC_NAME = r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$"
 
 
 def _number(value: Any) -> Any:
@@ -122,7 +124,7 @@ class KeepBest(Strict):
     checkpoint's step), lowest first for `mode: min`, highest first for `max`."""
 
     metric: str = Field(
-        pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$",
+        pattern=_METRIC_NAME,
         description="A metric the trainers report with each step, e.g. 'loss' (built-ins: trainers.loop).",
     )
     mode: Literal["min", "max"] = Field(description="min: lower is better (loss); max: higher is.")
@@ -251,6 +253,46 @@ class AnomalySpec(Strict):
         if self.min_steps > self.window:
             raise ValueError(f"min_steps ({self.min_steps}) must be <= window ({self.window})")
         return self
+
+
+class PlateauAction(StrEnum):
+    """What the service does when a job's loss stops improving (`service.plateau`)."""
+
+    WARN = "warn"  # record an `anomaly` event and go on
+    STOP = "stop"  # also stop the job with a checkpoint: it ends `succeeded` (early stopping)
+
+
+class PlateauSpec(Strict):
+    """When a job's loss has stopped improving: `window_steps` steps in which its smoothed value did not
+    go `min_rel_improvement` below its best so far (the rule is `service.plateau`'s)."""
+
+    metric: str = Field(
+        default="loss",
+        pattern=_METRIC_NAME,
+        description="The step metric judged, rank 0's, lower is better: 'loss' (training), 'eval_loss' "
+        "(needs eval), or any metric the trainer reports.",
+    )
+    window_steps: Int = Field(
+        ge=1, le=MAX_INT, description="Steps without an improvement that make a plateau (the patience)."
+    )
+    min_rel_improvement: Float = Field(
+        default=0.01,
+        ge=0,
+        lt=1,
+        description="An improvement: the smoothed value at least this fraction (of the best's magnitude) "
+        "below the best so far; 0.01 = 1%.",
+    )
+    smoothing_steps: Int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_INT,
+        description="Half-life in steps of the exponential moving average that smooths the metric "
+        "(the same whether it comes every step or every eval); 0: the raw values; None: window_steps / 10.",
+    )
+
+    @property
+    def half_life_steps(self) -> int:
+        return self.window_steps // 10 if self.smoothing_steps is None else self.smoothing_steps
 
 
 class MLPConfig(Strict):
@@ -427,6 +469,16 @@ class JobSpec(Strict):
         "the offending batch, at most anomaly.max_rollbacks times, then stops; 'warn' records it.",
     )
     anomaly: AnomalySpec = Field(default_factory=AnomalySpec)
+    plateau: PlateauSpec | None = Field(
+        default=None,
+        description="Loss plateau detection, by the service on the reported metrics: "
+        "{metric: loss, window_steps: N, min_rel_improvement: 0.01}; None: off.",
+    )
+    on_plateau: PlateauAction = Field(
+        default=PlateauAction.WARN,
+        description="On a plateau: 'warn' records an anomaly event; 'stop' also stops the job with a "
+        "checkpoint, and it ends succeeded with the reason (early stopping). Needs plateau.",
+    )
     max_runtime_s: Float | None = Field(
         default=None,
         gt=0,
@@ -471,15 +523,41 @@ class JobSpec(Strict):
 
     @field_validator("eval")
     @classmethod
-    def _eval_for_keep_best(cls, eval_spec: EvalSpec | None, info: ValidationInfo) -> EvalSpec | None:
-        checkpoint = info.data.get("checkpoint")
+    def _eval_for_eval_metrics(cls, eval_spec: EvalSpec | None, info: ValidationInfo) -> EvalSpec | None:
+        if eval_spec is not None:
+            return eval_spec
+        checkpoint, plateau = info.data.get("checkpoint"), info.data.get("plateau")
         keep_best = checkpoint.keep_best if isinstance(checkpoint, CheckpointSpec) else None
-        if eval_spec is None and keep_best is not None and keep_best.metric.startswith(EVAL_PREFIX):
-            raise ValueError(
-                f"checkpoint.keep_best.metric {keep_best.metric!r} is an eval metric: set eval "
-                "({dataset: {uri: ...}, every_steps: N})"
-            )
+        metrics = {
+            "checkpoint.keep_best.metric": keep_best.metric if keep_best is not None else "",
+            "plateau.metric": plateau.metric if isinstance(plateau, PlateauSpec) else "",
+        }
+        for where, metric in metrics.items():
+            if metric.startswith(EVAL_PREFIX):
+                raise ValueError(
+                    f"{where} {metric!r} is an eval metric: set eval "
+                    "({dataset: {uri: ...}, every_steps: N})"
+                )
         return eval_spec
+
+    @field_validator("plateau")
+    @classmethod
+    def _plateau_within_the_run(cls, plateau: PlateauSpec | None, info: ValidationInfo) -> PlateauSpec | None:
+        max_steps = info.data.get("max_steps")
+        if plateau is not None and max_steps is not None and plateau.window_steps >= max_steps:
+            raise ValueError(
+                f"window_steps ({plateau.window_steps}) must be < max_steps ({max_steps}): "
+                "no plateau could be found"
+            )
+        return plateau
+
+    @field_validator("on_plateau")
+    @classmethod
+    def _on_plateau_needs_a_rule(cls, action: PlateauAction, info: ValidationInfo) -> PlateauAction:
+        # "plateau" is missing from info.data when it failed validation itself: that error is enough.
+        if action is PlateauAction.STOP and "plateau" in info.data and info.data["plateau"] is None:
+            raise ValueError("'stop' needs plateau: {metric: loss, window_steps: N} (when to stop)")
+        return action
 
     @field_validator("code")
     @classmethod

@@ -74,6 +74,14 @@ def test_defaults_are_filled_and_builtin_config_is_completed() -> None:
         ({"anomaly": {"max_rollbacks": -1}}, "anomaly.max_rollbacks"),
         ({"anomaly": {"window": 10, "min_steps": 11}}, "anomaly"),
         ({"anomaly": {"threshold": 3}}, "anomaly.threshold"),
+        ({"on_plateau": "stop"}, "on_plateau"),  # stop needs the rule
+        ({"on_plateau": "halt", "plateau": {"window_steps": 5}}, "on_plateau"),
+        ({"plateau": {}}, "plateau.window_steps"),
+        ({"plateau": {"window_steps": 10}}, "plateau"),  # max_steps is 10: it could never fire
+        ({"plateau": {"window_steps": 5, "min_rel_improvement": 1}}, "plateau.min_rel_improvement"),
+        ({"plateau": {"window_steps": 5, "smoothing_steps": -1}}, "plateau.smoothing_steps"),
+        ({"plateau": {"window_steps": 5, "metric": "bad name"}}, "plateau.metric"),
+        ({"plateau": {"window_steps": 5, "patience": 3}}, "plateau.patience"),
     ],
 )
 def test_bad_values_name_the_field(overrides: dict[str, Any], field: str) -> None:
@@ -171,3 +179,18 @@ def test_keep_best_by_an_eval_metric_needs_an_eval_section() -> None:
     )
     with_eval = JobSpec.model_validate(valid(checkpoint=keep_best, eval={"dataset": {"uri": "file:///d"}}))
     assert with_eval.checkpoint.keep_best is not None
+
+
+def test_plateau_detection_is_off_unless_asked_and_by_an_eval_metric_needs_an_eval_section() -> None:
+    spec = JobSpec.model_validate(valid())
+    assert spec.plateau is None and spec.on_plateau == "warn"
+    stop = JobSpec.model_validate(valid(plateau={"window_steps": 5}, on_plateau="stop"))
+    assert stop.plateau is not None
+    assert (stop.plateau.metric, stop.plateau.min_rel_improvement) == ("loss", 0.01)
+    by_eval = {"plateau": {"metric": "eval_loss", "window_steps": 5}}
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(valid(**by_eval))
+    (error,) = info.value.errors()
+    assert error["loc"] == ("eval",) and "plateau.metric 'eval_loss' is an eval metric" in error["msg"]
+    with_eval = JobSpec.model_validate(valid(**by_eval, eval={"dataset": {"uri": "file:///d"}}))
+    assert with_eval.plateau is not None
