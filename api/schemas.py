@@ -62,7 +62,8 @@ class JobPublic(BaseModel):
     )
     latest_step: int | None
     stop_requested: str | None = Field(
-        description="preempted | user | max_runtime | shutdown | lost_capacity, while preempting."
+        description="preempted | user | max_runtime | shutdown | lost_capacity | pruned | plateau, while "
+        "preempting."
     )
     preemptions: int
     ranks: dict[str, dict[str, Any]] | None = Field(

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import auth, compare, logs, tracking
+from service import auth, compare, logs, plateau, tracking
 from service.allowlists import OwnPlaces, check_dataset, check_trainer
 from service.auth import User
 from service.capacity import ClusterSnapshot, capacity_text, fits_empty_cluster, gang_for
@@ -57,11 +57,12 @@ from service.contract.protocol import (
     GROUP_STARTED,
     WORKER_FAILED,
     LaunchPointer,
+    MetricPoint,
     TelemetryBatch,
     TelemetryReply,
 )
 from service.contract.queues import QueueConfig
-from service.contract.spec import JobSpec, Queue
+from service.contract.spec import JobSpec, PlateauAction, PlateauSpec, Queue
 from service.contract.states import JobState, StopReason
 from service.contract.storage import node_local
 from service.contract.trainer_kind import TrainerKind, TrainerNotDefined, kind_of_trainer, kind_refusal
@@ -125,6 +126,42 @@ def _resumed_from(batch: TelemetryBatch) -> int | None:
         if event.kind == GROUP_STARTED:
             return event.step
     return min(point.step for point in batch.points) - 1 if batch.points else None
+
+
+def _judge_plateau(session: Session, job: Job, points: Sequence[MetricPoint]) -> None:
+    """Judge rank 0's points of a running job's `plateau.metric` (service.plateau): a plateau is an
+    `anomaly` event, and with `on_plateau: stop` the job is asked to checkpoint and stop."""
+    if job.spec.get("plateau") is None:
+        return
+    rule = PlateauSpec.model_validate(job.spec["plateau"])
+    values = [
+        (point.step, point.values[rule.metric])
+        for point in points
+        if point.rank == 0 and rule.metric in point.values
+    ]
+    if not values:
+        return
+    before = plateau.PlateauState.model_validate(job.plateau) if job.plateau is not None else None
+    state, found = plateau.judge(rule, before, values)
+    if state is not None and state != before:
+        job.plateau = state.model_dump(mode="json")
+    if found is None:
+        return
+    action = PlateauAction(job.spec.get("on_plateau", PlateauAction.WARN))
+    repository.record_event(
+        session, job, actor="service", reason=f"{found.describe()} (on_plateau: {action}) [anomaly]"
+    )
+    logger.info("job %s: %s", job.id, found.describe(), extra={"action": "plateau", "job": {"id": job.id}})
+    if action is PlateauAction.STOP:
+        # The scheduler ends it `succeeded`, with this message, once it has stopped (_finish_stop).
+        job.message = f"stopped early: {found.describe()} (on_plateau: stop)"
+        repository.request_stop(
+            session,
+            job,
+            why=StopReason.PLATEAU,
+            actor="service",
+            reason=f"{rule.metric} plateaued (on_plateau: stop): checkpoint and stop",
+        )
 
 
 def request_hash(spec: JobSpec) -> str:
@@ -571,6 +608,8 @@ class JobService:
                 repository.set_checkpoint(
                     session, job, step=batch.checkpoint.step, uri=batch.checkpoint.uri, attempt=batch.attempt
                 )
+            if current and job.state is JobState.RUNNING:
+                _judge_plateau(session, job, batch.points)
             stop = job.state is JobState.PREEMPTING
             # A rank of a job that ended (cancelled, failed) may outlive it for a while: it must not go
             # on writing checkpoints.

@@ -24,7 +24,7 @@ says why: the policy or a user preempted it, or it ran out of `max_runtime_s`);
 it still holds its gang. Once its Ray job has ended it goes back to `queued`
 (preempted, the service is stopping, or its gang lost a node and no longer fits:
 it keeps its place and resumes from that checkpoint), to `failed` (out of
-runtime), or to `succeeded` (it reached `max_steps` first).
+runtime), or to `succeeded` (it reached `max_steps` first, or it was stopped early on a loss plateau).
 `recovering` means the job's Ray job was lost to something that is not the job's
 own fault (its driver died, the cluster was restarted and forgot it): the
 scheduler resubmitted it as a new attempt that resumes from the latest
@@ -80,6 +80,9 @@ class StopReason(StrEnum):
     LOST_CAPACITY = "lost_capacity"
     # A sweep's trial that lost at a rung (service.sweeps): pruned once stopped.
     PRUNED = "pruned"
+    # Its `plateau.metric` stopped improving and `on_plateau` is stop (service.plateau): succeeded once
+    # stopped (early stopping).
+    PLATEAU = "plateau"
 
 
 ALLOWED: dict[JobState, frozenset[JobState]] = {

@@ -6,7 +6,7 @@ expiry, renewed every tick; another replica takes over once it expires):
 1. reconcile: for every active job (admitted, running or preempting), read its Ray job's status and
    move the database to match: running; succeeded; failed with the reason from the logs; a
    submission Ray never saw is requeued; a preempting job whose Ray job ended goes back to the
-   queue (or fails, when it ran out of `max_runtime_s`);
+   queue (or fails, when it ran out of `max_runtime_s`; or succeeds, stopped early on a loss plateau);
 2. enforce: a running job past its `max_runtime_s` is told to checkpoint and stop; a job told so
    `preempt_grace_s` ago that has not stopped is stopped (its event says how much work that lost);
 3. schedule: read every unfinished job in one query and the cluster (its alive nodes, and what Ray
@@ -427,6 +427,18 @@ class Scheduler:
                 JobState.PRUNED,
                 actor="sweep",
                 reason=f"{job.message or 'pruned by its sweep'} ({where})",
+                stop_requested=None,
+                stop_requested_at=None,
+            )
+        elif job.stop_requested == StopReason.PLATEAU:
+            reason = f"{job.message or 'stopped early on a plateau'} ({where})"
+            repository.transition(
+                session,
+                job,
+                JobState.SUCCEEDED,
+                actor="reconciler",
+                reason=reason,
+                message=reason,
                 stop_requested=None,
                 stop_requested_at=None,
             )

@@ -123,6 +123,9 @@ class Job(Base):
     sweep_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("sweeps.id", ondelete="SET NULL"))
     trial: Mapped[int | None] = mapped_column(BigInteger)
     trial_params: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Where the spec's `plateau.metric` stands (service.plateau.PlateauState): what the next telemetry
+    # post is judged against.
+    plateau: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan"

@@ -85,6 +85,7 @@ def test_the_gang_waits_until_it_fits_and_says_why(service: Service, spec: dict[
         ({"resources_per_worker": {"GPU": 1}}, "num_workers", "use fewer workers"),
         ({"config": {"task": "classification"}}, "config", "num_classes"),
         ({"on_anomaly": "ignore"}, "on_anomaly", "'stop', 'rollback' or 'warn'"),
+        ({"on_plateau": "stop"}, "on_plateau", "'stop' needs plateau"),
     ],
 )
 def test_bad_specs_are_refused_with_422_naming_the_field_and_nothing_is_written(
