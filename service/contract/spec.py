@@ -31,6 +31,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from service.contract.formats import DataFormat
+
 MAX_WORKERS = 1024
 MAX_PRIORITY = 100
 # The largest integer the API takes anywhere (ids, steps, counts): every JSON client reads it exactly
@@ -84,11 +86,6 @@ class Placement(StrEnum):
     PACK = "pack"  # as few nodes as possible (Ray's default)
     SPREAD = "spread"  # over as many nodes as it can, best effort
     STRICT_SPREAD = "strict_spread"  # every worker on a node of its own, or the job waits
-
-
-class DataFormat(StrEnum):
-    PARQUET = "parquet"
-    WEBDATASET = "webdataset"
 
 
 class Strict(BaseModel):

@@ -73,3 +73,23 @@ def test_bad_flags_exit_2_with_a_message(args: list[str], words: str) -> None:
     code, output = run(*args)
     assert code == 2, output
     assert words in output and "Traceback" not in output
+
+
+def test_the_cli_loads_without_the_plan_and_lists_it_by_its_summary() -> None:
+    """`apiary plan` is built when it runs (its options come from PlanFacts, whose import is the job
+    spec's models): the CLI loads without them, and `--help` lists plan by its docstring's summary."""
+    import subprocess
+    import sys
+
+    from api.cli import PLAN_SUMMARY
+    from api.cli_plan import plan_command
+
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, api.cli; print(sorted(m for m in sys.modules if m in "
+         "('service.contract.spec', 'service.planning.formulas', 'api.cli_plan', 'pydantic')))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert loaded.stdout.strip() == "[]", loaded.stdout
+    assert (plan_command.__doc__ or "").startswith(PLAN_SUMMARY)
+    listed = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "300"})
+    assert listed.exit_code == 0 and f"plan {PLAN_SUMMARY}" in " ".join(listed.output.split()), listed.output
