@@ -78,13 +78,12 @@ def test_gpt_trains_checkpoints_sends_telemetry_and_resumes(
         # Each step once per rank: the resumed run started at 21, not at 1.
         assert sorted(steps) == list(range(1, 31))
     assert all(set(trained(p)) == set(STEP_METRICS) for p in points)
-    # Every rank's posts carried what its process uses (trainers.system), and some points their figures.
+    # Every rank's posts carried what its process uses (trainers.system).
     for rank in (0, 1):
         figures = [b["status"]["system"] for b in telemetry_server.batches if b["status"]["rank"] == rank]
         assert figures and all(f["rss_bytes"] > 0 for f in figures), figures[:1]
         assert max(f["data_read_bytes"] for f in figures) > 0
         assert any(f["cpu_percent"] for f in figures)
-        assert any("sys_rss_bytes" in p["values"] for p in points if p["rank"] == rank)
     loss = {p["step"]: p["values"]["loss"] for p in points if p["rank"] == 0}
     assert loss[30] < loss[1] - 0.5, loss
     assert [c["step"] for c in telemetry_server.checkpoints()] == [10, 20, 30]
