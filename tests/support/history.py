@@ -14,21 +14,13 @@ from service.contract.states import JobState
 from service.store import repository
 from service.store.db import Database
 from service.store.models import JobEvent
+from tests.support.jobs import make_spec
 
 
 def job_spec(**fields: Any) -> JobSpec:
-    """An mlp job of 2 workers of 1 CPU, unless `fields` say otherwise."""
-    values: dict[str, Any] = {
-        "name": "job",
-        "trainer": "mlp",
-        "num_workers": 2,
-        "dataset": {"uri": "file:///data"},
-        "max_steps": 5,
-        "batch_size": 2,
-        "config": {"num_classes": 3},
-        **fields,
-    }
-    return JobSpec.model_validate(values)
+    """An mlp job of 2 workers of 1 CPU, unless `fields` say otherwise (`tests.support.jobs.make_spec`)."""
+    values: dict[str, Any] = {"name": "job", "max_steps": 5, "batch_size": 2, **fields}
+    return make_spec(trainer="mlp", dataset="file:///data", config={"num_classes": 3}, **values)
 
 
 def add_ended_job(
