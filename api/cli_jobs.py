@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     # Imported where used, so that `apiary --help` loads no HTTP client and no schemas (api/cli.py).
     from pydantic import BaseModel
 
-    from api.client import ApiaryClient
+    from api.client import ApiaryClient, JobSummary
     from api.schemas import JobPublic
     from service.contract.spec import JobSpec
     from service.contract.states import JobState
@@ -110,9 +110,14 @@ def jobs(
 ) -> None:
     """List jobs, newest first."""
     with _client(url, token) as client:
-        found: list[JobPublic] = []
+        found: list[JobPublic | JobSummary] = []
         me = client.me().user if mine else None
-        for job in client.iter_jobs(state=state, queue=queue, page_size=min(limit, 500)):
+        page_size = min(limit, 500)
+        # The table reads summaries: whole jobs would build the job spec's models (~0.1 s).
+        listed = (client.iter_jobs if as_json else client.iter_job_summaries)(
+            state=state, queue=queue, page_size=page_size
+        )
+        for job in listed:
             if not mine or job.owner == me:
                 found.append(job)
             if len(found) >= limit:
@@ -429,7 +434,7 @@ def _watch(client: ApiaryClient, job_id: int, *, interval_s: float) -> int:
     return 0 if job.state is JobState.SUCCEEDED else 1
 
 
-def _steps(job: JobPublic) -> str:
+def _steps(job: JobPublic | JobSummary) -> str:
     """The step a job reached, out of its max_steps (a function trainer may have none)."""
     step = job.latest_step or 0
     return f"{step}/{job.spec.max_steps}" if job.spec.max_steps is not None else str(step)

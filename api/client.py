@@ -1,4 +1,6 @@
 """The Python SDK: a typed client of the REST API, returning the API's own schemas (api.schemas).
+It loads them when a method first needs them: they hold the job spec's models, and a listing read as
+`JobSummary`s (`iter_job_summaries`, what `apiary jobs` shows) never builds those.
 
     from api.client import ApiaryClient
     with ApiaryClient("http://127.0.0.1:8000") as client:   # or APIARY_URL / the config file
@@ -22,47 +24,63 @@ you submit. A server without tokens (a local one) needs none.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import time
 import tomllib
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import httpx
 from httpx_sse import EventSource, ServerSentEvent
 from pydantic import BaseModel
 
-from api.schemas import (
-    CheckpointPublic,
-    CheckpointsPublic,
-    CodePublic,
-    ComparePublic,
-    EventPublic,
-    EventsPublic,
-    Health,
-    JobPublic,
-    JobsPublic,
-    MetricPublic,
-    MetricsPublic,
-    QueuePublic,
-    QueuesPublic,
-    SweepPublic,
-    SweepsPublic,
-    TokenCreated,
-    TokenPublic,
-    TokensPublic,
-    UserPublic,
-)
 from service.contract.code import DEFAULT_MAX_BYTES as DEFAULT_CODE_MAX_BYTES
 from service.contract.code import pack
-from service.contract.spec import JobSpec, parse_spec_text
 from service.contract.states import TERMINAL_STATES, JobState
+
+if TYPE_CHECKING:
+    # At run time `schemas` is `_Deferred`: the job spec's models load when a method first needs them.
+    from api import schemas
+    from api.schemas import (
+        CheckpointPublic,
+        CodePublic,
+        ComparePublic,
+        EventPublic,
+        Health,
+        JobPublic,
+        JobsPublic,
+        MetricPublic,
+        MetricsPublic,
+        QueuePublic,
+        SweepPublic,
+        TokenCreated,
+        TokenPublic,
+        UserPublic,
+    )
+    from service.contract.spec import JobSpec
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 Model = TypeVar("Model", bound=BaseModel)
+
+
+class _Deferred:
+    """A module imported when one of its names is first read (the API's schemas: their import builds
+    the job spec's models, ~0.1 s of a command's start)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self._name), attr)
+
+
+if not TYPE_CHECKING:
+    schemas = _Deferred("api.schemas")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,13 +208,58 @@ class StreamEnd(BaseModel):
     state: JobState
 
 
-JobUpdate = JobPublic | EventPublic | MetricsPublic | StreamEnd
-_JOB_MESSAGES: dict[str, type[BaseModel]] = {
-    "state": JobPublic,
-    "event": EventPublic,
-    "metrics": MetricsPublic,
-    "end": StreamEnd,
-}
+JobUpdate: TypeAlias = "JobPublic | EventPublic | MetricsPublic | StreamEnd"
+
+
+def _job_message(event: str) -> type[BaseModel] | None:
+    """The model of a job stream's message of type `event` (None: not one a client reads)."""
+    models: dict[str, type[BaseModel]] = {
+        "state": schemas.JobPublic,
+        "event": schemas.EventPublic,
+        "metrics": schemas.MetricsPublic,
+        "end": StreamEnd,
+    }
+    return models.get(event)
+
+
+# ---------------------------------------------------------------------------------------------
+# Listings: GET /jobs read without the job spec's models
+
+
+class WorkerRange(BaseModel):
+    min: int
+    max: int
+
+
+class SpecSummary(BaseModel):
+    """What a listing shows of a job's spec."""
+
+    num_workers: int | WorkerRange
+    max_steps: int | None = None
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers.max if isinstance(self.num_workers, WorkerRange) else self.num_workers
+
+
+class JobSummary(BaseModel):
+    """A job as `apiary jobs` lists it: the fields of `JobPublic` that a listing shows (the rest of the
+    answer is ignored), read without building the job spec's models."""
+
+    id: int
+    name: str
+    queue: str
+    priority: int
+    owner: str
+    state: JobState
+    latest_step: int | None
+    created_at: datetime
+    spec: SpecSummary
+
+
+class JobSummaries(BaseModel):
+    data: list[JobSummary]
+    count: int
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,6 +340,8 @@ class ApiaryClient:
         folder is packed and uploaded first (`upload_code`, refused here above `max_code_bytes`) and the
         spec names it: the job's trainer may be a module in it. One Idempotency-Key (a fresh uuid unless
         given) for all tries: the server keeps one job for it."""
+        from service.contract.spec import JobSpec, parse_spec_text
+
         if isinstance(spec, JobSpec):
             # What was written, not the defaults: a field given explicitly may be refused for the
             # trainer's kind (checkpoint.async for a Ray function) where its default is not.
@@ -288,7 +353,7 @@ class ApiaryClient:
         if code is not None:
             payload["code"] = self.upload_code(code, max_bytes=max_code_bytes).digest
         headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
-        return self._post("/jobs", JobPublic, resend=True, json=payload, headers=headers)
+        return self._post("/jobs", schemas.JobPublic, resend=True, json=payload, headers=headers)
 
     def sweep(
         self,
@@ -299,29 +364,33 @@ class ApiaryClient:
     ) -> SweepPublic:
         """Start a sweep: a dict or the path of a YAML/JSON sweep file (service.contract.sweep). With
         `code`, the folder is uploaded first and every trial runs it."""
+        from service.contract.spec import parse_spec_text
+
         payload = dict(sweep) if isinstance(sweep, dict) else parse_spec_text(Path(sweep).read_text())
         if code is not None:
             base = dict(payload.get("base") or {})
             base["code"] = self.upload_code(code, max_bytes=max_code_bytes).digest
             payload["base"] = base
-        return self._post("/sweeps", SweepPublic, json=payload)
+        return self._post("/sweeps", schemas.SweepPublic, json=payload)
 
     def sweeps(self, *, limit: int = 100) -> list[SweepPublic]:
-        return self._get("/sweeps", SweepsPublic, params={"limit": limit}).data
+        return self._get("/sweeps", schemas.SweepsPublic, params={"limit": limit}).data
 
     def get_sweep(self, sweep_id: int) -> SweepPublic:
-        return self._get(f"/sweeps/{sweep_id}", SweepPublic)
+        return self._get(f"/sweeps/{sweep_id}", schemas.SweepPublic)
 
     def cancel_sweep(self, sweep_id: int) -> SweepPublic:
-        return self._post(f"/sweeps/{sweep_id}/cancel", SweepPublic, resend=True)
+        return self._post(f"/sweeps/{sweep_id}/cancel", schemas.SweepPublic, resend=True)
 
     def best_spec(self, sweep_id: int, *, queue: str | None = None) -> JobSpec:
         """The sweep's best trial's spec, ready to submit (in `queue` if given)."""
+        from service.contract.spec import JobSpec
+
         return self._get(f"/sweeps/{sweep_id}/best", JobSpec, params=_without_none(queue=queue))
 
     def resume(self, job_id: int) -> JobPublic:
         """Queue a pruned trial again, from its checkpoint."""
-        return self._post(f"/jobs/{job_id}/resume", JobPublic, resend=True)
+        return self._post(f"/jobs/{job_id}/resume", schemas.JobPublic, resend=True)
 
     def upload_code(self, folder: str | Path, *, max_bytes: int = DEFAULT_CODE_MAX_BYTES) -> CodePublic:
         """Pack `folder` (service.contract.code: without .git, __pycache__, .venv and what its
@@ -332,7 +401,7 @@ class ApiaryClient:
         return self._call(
             "PUT",
             f"/code/{package.sha256}",
-            CodePublic,
+            schemas.CodePublic,
             resend=True,  # content-addressed: sending it twice stores it once
             content=package.data,
             headers={"Content-Type": "application/octet-stream"},
@@ -343,7 +412,7 @@ class ApiaryClient:
         return self._send("GET", f"/jobs/{job_id}/code", resend=True).content
 
     def get(self, job_id: int) -> JobPublic:
-        return self._get(f"/jobs/{job_id}", JobPublic)
+        return self._get(f"/jobs/{job_id}", schemas.JobPublic)
 
     def list_jobs(
         self,
@@ -354,12 +423,8 @@ class ApiaryClient:
         limit: int = 100,
     ) -> JobsPublic:
         """One page of jobs, newest first; `count` is how many match in all."""
-        params: dict[str, Any] = {"offset": offset, "limit": limit}
-        if state:
-            params["state"] = [str(s) for s in state]
-        if queue:
-            params["queue"] = queue
-        return self._get("/jobs", JobsPublic, params=params)
+        params = _jobs_params(state=state, queue=queue, offset=offset, limit=limit)
+        return self._get("/jobs", schemas.JobsPublic, params=params)
 
     def iter_jobs(
         self,
@@ -370,10 +435,31 @@ class ApiaryClient:
     ) -> Iterator[JobPublic]:
         """Every matching job, newest first, fetching page after page (a job submitted meanwhile
         shifts the pages: each job is still yielded once)."""
+        return self._iter_jobs(schemas.JobsPublic, state=state, queue=queue, page_size=page_size)
+
+    def iter_job_summaries(
+        self,
+        *,
+        state: list[str] | list[JobState] | None = None,
+        queue: str | None = None,
+        page_size: int = 100,
+    ) -> Iterator[JobSummary]:
+        """`iter_jobs`, each job read as a `JobSummary`: what a listing shows, without its spec."""
+        return self._iter_jobs(JobSummaries, state=state, queue=queue, page_size=page_size)
+
+    def _iter_jobs(
+        self,
+        page_model: type[BaseModel],
+        *,
+        state: list[str] | list[JobState] | None,
+        queue: str | None,
+        page_size: int,
+    ) -> Iterator[Any]:
         seen: set[int] = set()
         offset = 0
         while True:
-            page = self.list_jobs(state=state, queue=queue, offset=offset, limit=page_size)
+            params = _jobs_params(state=state, queue=queue, offset=offset, limit=page_size)
+            page: Any = self._get("/jobs", page_model, params=params)
             for job in page.data:
                 if job.id not in seen:
                     seen.add(job.id)
@@ -383,16 +469,16 @@ class ApiaryClient:
                 return
 
     def cancel(self, job_id: int) -> JobPublic:
-        return self._post(f"/jobs/{job_id}/cancel", JobPublic)
+        return self._post(f"/jobs/{job_id}/cancel", schemas.JobPublic)
 
     def preempt(self, job_id: int) -> JobPublic:
         """Checkpoint a running job and put it back in its queue; it resumes from that checkpoint."""
-        return self._post(f"/jobs/{job_id}/preempt", JobPublic)
+        return self._post(f"/jobs/{job_id}/preempt", schemas.JobPublic)
 
     def update(self, job_id: int, *, queue: str | None = None, priority: int | None = None) -> JobPublic:
         """Change a job's priority or (while it waits) queue: admins only."""
         body = _without_none(queue=queue, priority=priority)
-        return self._call("PATCH", f"/jobs/{job_id}", JobPublic, resend=True, json=body)
+        return self._call("PATCH", f"/jobs/{job_id}", schemas.JobPublic, resend=True, json=body)
 
     def wait(self, job_id: int, *, timeout_s: float = 600, poll_s: float = 1.0) -> JobPublic:
         """Block until the job ends; TimeoutError (with its last state) if it has not by `timeout_s`."""
@@ -406,14 +492,14 @@ class ApiaryClient:
             time.sleep(poll_s)
 
     def events(self, job_id: int) -> list[EventPublic]:
-        return self._get(f"/jobs/{job_id}/events", EventsPublic).data
+        return self._get(f"/jobs/{job_id}/events", schemas.EventsPublic).data
 
     def metrics(self, job_id: int, **filters: int | str) -> list[MetricPublic]:
         """Stored points, by step then rank; filters: rank, min_step, max_step, limit, segments."""
-        return self._get(f"/jobs/{job_id}/metrics", MetricsPublic, params=filters).data
+        return self._get(f"/jobs/{job_id}/metrics", schemas.MetricsPublic, params=filters).data
 
     def checkpoints(self, job_id: int) -> list[CheckpointPublic]:
-        return self._get(f"/jobs/{job_id}/checkpoints", CheckpointsPublic).data
+        return self._get(f"/jobs/{job_id}/checkpoints", schemas.CheckpointsPublic).data
 
     def logs(
         self, job_id: int, *, attempt: int | None = None, tail: int | None = None, raw: bool = False
@@ -437,7 +523,9 @@ class ApiaryClient:
 
     def compare(self, job_ids: Sequence[int]) -> ComparePublic:
         """Jobs side by side: final and best metrics, and the spec keys they differ in."""
-        return self._get("/compare", ComparePublic, params={"jobs": ",".join(str(i) for i in job_ids)})
+        return self._get(
+            "/compare", schemas.ComparePublic, params={"jobs": ",".join(str(i) for i in job_ids)}
+        )
 
     def tensorboard_logdirs(self, job_ids: Sequence[int] = ()) -> list[str]:
         """The jobs' TensorBoard folders (none given: the storage root, which holds every job's)."""
@@ -449,27 +537,27 @@ class ApiaryClient:
 
     def me(self) -> UserPublic:
         """Who this client's token is (without one, on a server without tokens: its local user)."""
-        return self._get("/me", UserPublic)
+        return self._get("/me", schemas.UserPublic)
 
     def create_token(self, user: str, *, admin: bool = False) -> TokenCreated:
         """A new token for `user`; its secret (`.token`) is in this answer only."""
-        return self._post("/admin/tokens", TokenCreated, json={"user": user, "admin": admin})
+        return self._post("/admin/tokens", schemas.TokenCreated, json={"user": user, "admin": admin})
 
     def tokens(self) -> list[TokenPublic]:
-        return self._get("/admin/tokens", TokensPublic).data
+        return self._get("/admin/tokens", schemas.TokensPublic).data
 
     def revoke_token(self, token_id: int) -> TokenPublic:
-        return self._call("DELETE", f"/admin/tokens/{token_id}", TokenPublic, resend=True)
+        return self._call("DELETE", f"/admin/tokens/{token_id}", schemas.TokenPublic, resend=True)
 
     # --- queues and health ------------------------------------------------------------------
 
     def queues(self, *, limit: int = 100) -> list[QueuePublic]:
-        return self._get("/queues", QueuesPublic, params={"limit": limit}).data
+        return self._get("/queues", schemas.QueuesPublic, params={"limit": limit}).data
 
     def health(self) -> Health:
         """Readiness (GET /readyz): whether the database and Ray answer."""
         response = self._http.get("/readyz")  # 503 still answers with the body
-        return Health.model_validate(response.json())
+        return schemas.Health.model_validate(response.json())
 
     # --- streams ----------------------------------------------------------------------------
 
@@ -477,27 +565,27 @@ class ApiaryClient:
         """A job's live stream: JobPublic on each change (first the current one), EventPublic,
         MetricsPublic batches, and last StreamEnd. A dropped connection is resumed (Last-Event-ID)."""
         for message in self._sse(f"/jobs/{job_id}/stream", until="end"):
-            model = _JOB_MESSAGES.get(message.event)
+            model = _job_message(message.event)
             if model is not None:
                 yield model.model_validate_json(message.data)  # type: ignore[misc]
 
     def stream_metrics(self, job_id: int) -> Iterator[MetricPublic]:
         """New metric points as they arrive, until the job ends."""
         for update in self.stream(job_id):
-            if isinstance(update, MetricsPublic):
+            if isinstance(update, schemas.MetricsPublic):
                 yield from update.data
 
     def stream_events(self, job_id: int) -> Iterator[EventPublic]:
         """The job's events (its whole history first), until the job ends."""
         for update in self.stream(job_id):
-            if isinstance(update, EventPublic):
+            if isinstance(update, schemas.EventPublic):
                 yield update
 
     def stream_queues(self) -> Iterator[list[QueuePublic]]:
         """The queues (GET /queues) now and whenever they change; endless."""
         for message in self._sse("/queues/stream", until=None):
             if message.event == "queues":
-                yield QueuesPublic.model_validate_json(message.data).data
+                yield schemas.QueuesPublic.model_validate_json(message.data).data
 
     def _sse(self, path: str, *, until: str | None) -> Iterator[ServerSentEvent]:
         """Messages of an event stream; reconnects with Last-Event-ID when the connection drops
@@ -555,12 +643,23 @@ class ApiaryClient:
         """The cluster math of a run (POST /plan): {"plan": flat quantities, "rows", "facts", "sources"}.
         Facts (service.planning.formulas.PlanFacts names) win over the job's measurements, which win over the
         spec."""
-        if isinstance(spec, JobSpec):
+        if isinstance(spec, BaseModel):  # a JobSpec
             spec = spec.model_dump(mode="json")
         body = {"facts": facts or {}, "spec": spec, "job_id": job_id}
         # Pure arithmetic on the server: safe to send again.
         result: dict[str, Any] = self._send("POST", "/plan", resend=True, json=body).json()
         return result
+
+
+def _jobs_params(
+    *, state: list[str] | list[JobState] | None, queue: str | None, offset: int, limit: int
+) -> dict[str, Any]:
+    params: dict[str, Any] = {"offset": offset, "limit": limit}
+    if state:
+        params["state"] = [str(s) for s in state]
+    if queue:
+        params["queue"] = queue
+    return params
 
 
 def _without_none(**params: Any) -> dict[str, Any]:

@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-import pathspec
-
 from service.contract.errors import CodeError, CodeTooLarge
 
 # Apiary's top-level packages (and the public `apiary` one): a job's code may not bring its own.
@@ -89,6 +87,8 @@ def files_of(folder: Path) -> list[tuple[str, Path]]:
     """(path in the package, file) for every file of `folder` that goes in it, sorted by path."""
     if not folder.is_dir():
         raise CodeError(f"{folder} is not a folder")
+    import pathspec  # here: the SDK loads this module for its constants, and only `submit --code` packs
+
     ignore_file = folder / IGNORE_FILE
     spec = pathspec.GitIgnoreSpec.from_lines(
         ignore_file.read_text(encoding="utf-8").splitlines() if ignore_file.is_file() else []

@@ -4,6 +4,9 @@ app served over HTTP (SQLite, fake cluster): output, --json, and the exit codes 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -133,6 +136,29 @@ def test_submit_then_list_show_and_queue(apiary: Any, spec_file: Path, service: 
     assert refused.exit_code == 1 and "only its owner or an admin may cancel it" in refused.output
     anonymous = apiary("jobs")  # now that a token exists, every request needs one
     assert anonymous.exit_code == 1 and "apiary token create" in anonymous.output
+
+
+def test_jobs_lists_without_loading_the_job_spec(
+    service: Service, spec: dict[str, Any], tmp_path: Path
+) -> None:
+    """`apiary jobs` in a process of its own, as a user runs it: its table comes from summaries
+    (api.client.JobSummary), so the job spec's models are never built (issue 26: start in < 0.3 s)."""
+    service.http.post("/jobs", json=spec).raise_for_status()
+    probe = (
+        "import sys\nfrom api.cli import main\nsys.argv[:] = ['apiary', 'jobs']\ntry:\n    main()\n"
+        "finally:\n    print([m for m in ('service.contract.spec', 'api.schemas') if m in sys.modules], "
+        "file=sys.stderr)"
+    )
+    env = {**os.environ, "APIARY_URL": str(service.http.base_url), "COLUMNS": "200"}
+    env.update(APIARY_CONFIG=str(tmp_path / "no-config.toml"), APIARY_TOKEN="")
+    root = Path(__file__).resolve().parents[2]
+    listed = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env, cwd=root
+    )
+    assert listed.returncode == 0, listed.stderr
+    row = next(line.split() for line in listed.stdout.splitlines() if "cli-test" in line)
+    assert row[:7] == ["1", "cli-test", "research", "queued", "ada", "0", "1"], listed.stdout
+    assert row[7] == f"0/{spec['max_steps']}" and listed.stderr.strip() == "[]", listed.stderr
 
 
 def test_refusals_exit_1_with_the_servers_message(apiary: Any, spec_file: Path) -> None:

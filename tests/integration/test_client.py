@@ -71,6 +71,15 @@ def test_pages_and_the_iterator_over_all_of_them(client: ApiaryClient, spec: dic
     page = client.list_jobs(limit=2, offset=1)
     assert page.count == 5 and [job.id for job in page.data] == ids[::-1][1:3]
     assert [job.id for job in client.iter_jobs(page_size=2)] == ids[::-1]
+    # What `apiary jobs` lists: the same jobs, read without their specs' models.
+    shown = ("id", "name", "queue", "priority", "owner", "state", "latest_step", "created_at")
+    assert [
+        (*(getattr(job, name) for name in shown), job.spec.max_workers, job.spec.max_steps)
+        for job in client.iter_job_summaries(page_size=2)
+    ] == [
+        (*(getattr(job, name) for name in shown), job.spec.max_workers, job.spec.max_steps)
+        for job in client.iter_jobs()
+    ]
     assert [job.id for job in client.iter_jobs(state=["cancelled"])] == []
     client.cancel(ids[0])
     assert [job.id for job in client.iter_jobs(state=["cancelled"], page_size=1)] == [ids[0]]
