@@ -72,6 +72,8 @@ class Gang:
     placement: tuple[int, ...] | None = None
     # A queued job's expected duration from history (`service.scheduling.estimates`); None = unknown.
     estimated_runtime_s: float | None = None
+    # A deferrable job's deadline (unix seconds): it may wait for cheaper hours (service.scheduling.deferral).
+    deadline: float | None = None
 
     def bundles(self) -> list[Resources]:
         """What admission must place: `num_workers` workers and the extra."""
@@ -265,4 +267,5 @@ def gang_for(
         owner=owner,
         submitted_at=submitted_at,
         max_runtime_s=spec.max_runtime_s,
+        deadline=spec.deferrable.deadline(submitted_at) if spec.deferrable is not None else None,
     )

@@ -324,6 +324,7 @@ class JobService:
         with its queue's defaults), code, trainer, datasets, size. Returns the spec to store and its
         code package; raises what the API maps to 4xx."""
         self._check_priority(spec)
+        _check_deadline(spec, now=time.time())
         auth.check_priority(by, spec.priority, ceiling=self.settings.user_max_priority)
         spec = self._apply_queue(spec)
         package = self._code_of(spec, by=by)
@@ -914,3 +915,13 @@ class JobService:
                 f"{capacity_text(cluster)}: use fewer workers or smaller resources_per_worker",
                 field="num_workers",
             )
+
+
+def _check_deadline(spec: JobSpec, *, now: float) -> None:
+    """A deferrable job's `finish_by` must be in the future when it is submitted."""
+    deferrable = spec.deferrable
+    if deferrable is not None and deferrable.finish_by is not None and deferrable.deadline(now) <= now:
+        raise InvalidSpec(
+            f"deferrable.finish_by: {deferrable.finish_by} has passed; give a time in the future",
+            field="deferrable.finish_by",
+        )

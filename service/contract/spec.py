@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -32,6 +33,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from service.contract.formats import DataFormat
+from service.contract.signal import parse_time
 
 MAX_WORKERS = 1024
 MAX_PRIORITY = 100
@@ -384,6 +386,40 @@ class FsdpSpec(Strict):
     )
 
 
+def _finish_by(value: Any) -> str:
+    """A time as Unix seconds or ISO 8601, kept as ISO 8601 in UTC (so a stored spec reads back alike)."""
+    at = parse_time(value)
+    return datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
+
+
+class DeferrableSpec(Strict):
+    """`deferrable: {finish_by: <time>}` or `{within_h: N}`: the job is not urgent. It waits in its queue
+    for the cheapest window of the price signal that still lets it finish by then
+    (service.scheduling.deferral); at its last start time it is admitted like any other job."""
+
+    finish_by: Annotated[str, BeforeValidator(_finish_by)] | None = Field(
+        default=None,
+        description="When the job must be done: ISO 8601 (UTC when no zone is named) or Unix seconds; "
+        "in the future at submission.",
+    )
+    within_h: Float | None = Field(
+        default=None, gt=0, le=366 * 24, description="Done within this many hours of its submission."
+    )
+
+    @model_validator(mode="after")
+    def _one(self) -> DeferrableSpec:
+        if (self.finish_by is None) == (self.within_h is None):
+            raise ValueError("give exactly one of finish_by and within_h")
+        return self
+
+    def deadline(self, submitted_at: float) -> float:
+        """When the job must be done, in Unix seconds."""
+        if self.finish_by is not None:
+            return parse_time(self.finish_by)
+        assert self.within_h is not None
+        return submitted_at + self.within_h * 3600
+
+
 class JobSpec(Strict):
     """A distributed training job, as a user submits it (JSON or YAML)."""
 
@@ -482,6 +518,12 @@ class JobSpec(Strict):
         le=366 * 86_400,
         description="Stopped with a checkpoint after running this long; a research job without one gets "
         "its queue's default. The scheduler lets a job with one start in gaps that end before a reservation.",
+    )
+    deferrable: DeferrableSpec | None = Field(
+        default=None,
+        description="Not urgent: {finish_by: <time>} or {within_h: N}; the job waits for the cheapest "
+        "window of the service's price signal that still lets it finish in time (its duration: "
+        "max_runtime_s, else history's estimate). None: it starts as soon as it can.",
     )
     eval: EvalSpec | None = Field(
         default=None,

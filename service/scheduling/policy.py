@@ -59,7 +59,11 @@ Rules, in the order they apply:
    only ever run on borrowed capacity, and without this the other queue's steady stream would never
    leave it room (the other queue backfills around it instead). A job that would take its queue
    past its share needs the queue's `may_borrow`.
-6. Every job left waiting gets its position in its queue (1 = next), a reason a person understands,
+6. Deferral (service.scheduling.deferral), before all of the above: a deferrable job whose cheapest
+   window of the price signal has not begun waits outside its queue's line (it neither heads nor
+   reserves); once its window begins, or its last start has come, it is in the line like any other
+   job. Without a signal (`Deferral.signal` None) nothing is deferred and the reasons say why.
+7. Every job left waiting gets its position in its queue (1 = next), a reason a person understands,
    and an ETA: its reservation for a head; for the others an estimate from a walk through the
    active jobs' expected ends in queue order (capacity summed over nodes; None when nothing known
    ends, or beyond the first `ETA_HORIZON` jobs of a queue).
@@ -100,6 +104,7 @@ from service.capacity import (
     take_foreign,
 )
 from service.contract.queues import DEFAULT_QUEUES, QueuesConfig
+from service.scheduling.deferral import Deferral, Window, cheapest_window, window_text
 
 QUEUE_ORDER = ("full-scale", "research")
 # ETAs are estimated for this many waiting jobs of each queue; the rest get None.
@@ -172,9 +177,15 @@ def decide(
     usage: Mapping[str, float] | None = None,
     rules: Rules = RULES,
     explain: bool = True,
+    deferral: Deferral | None = None,
 ) -> Decisions:
     """The module docstring's rules. `usage` is each owner's decayed usage (fair share); without
-    `explain`, rule 6 is skipped (`waiting` stays empty: the simulator needs no reasons)."""
+    `explain`, rule 7 is skipped (`waiting` stays empty: the simulator needs no reasons); without
+    `deferral`, rule 6 is."""
+    deferred: dict[int, tuple[Gang, Window]] = {}
+    deferral_notes: dict[int, str] = {}
+    if deferral is not None:
+        queued, deferred, deferral_notes = _defer(queued, deferral, now=now)
     state = _State.build(cluster, active, now=now, queues=queues, rules=rules)
     configs = {queue: queues.of(queue) for queue in QUEUE_ORDER}
     delay = (usage or {}).get
@@ -250,11 +261,18 @@ def decide(
                 continue
             start(gang, binding)
 
+    notes.update(
+        (job_id, f"{notes[job_id]}; {note}" if job_id in notes else note)
+        for job_id, note in deferral_notes.items()
+        if job_id not in started
+    )
     waiting = (
         _explain(lines, started=started, notes=notes, reservations=reservations, state=state, now=now)
         if explain
         else {}
     )
+    if explain and deferred:
+        waiting.update(_explain_deferred(deferred, lines=lines, started=started, now=now))
     return Decisions(
         admit=tuple(admitted),
         preempt=tuple(preemptions),
@@ -275,6 +293,56 @@ class _Reserved:
     def take(self, gang: Gang) -> None:
         assert self.leftover is not None  # _blocking checked that it fits
         place(self.leftover, gang.bundles(), allow_partial=False)
+
+
+def _defer(
+    queued: Sequence[Gang], deferral: Deferral, *, now: float
+) -> tuple[list[Gang], dict[int, tuple[Gang, Window]], dict[int, str]]:
+    """Rule 6: the jobs that wait for their window, apart; the rest stay queued (with a note when a
+    deferrable job is not deferred for want of a signal or a duration)."""
+    line: list[Gang] = []
+    deferred: dict[int, tuple[Gang, Window]] = {}
+    notes: dict[int, str] = {}
+    for gang in queued:
+        if gang.deadline is None:
+            line.append(gang)
+            continue
+        duration_s = gang.max_runtime_s if gang.max_runtime_s is not None else gang.estimated_runtime_s
+        window = None
+        if deferral.signal is None:
+            notes[gang.job_id] = f"not deferred: {deferral.unavailable or 'no price signal'}"
+        elif duration_s is None:
+            notes[gang.job_id] = "not deferred: its duration is unknown (no max_runtime_s, no history)"
+        else:
+            window = cheapest_window(
+                deferral.signal,
+                now=now,
+                duration_s=duration_s,
+                deadline=gang.deadline,
+                margin_s=deferral.margin_s,
+            )
+        if window is not None and window.start_at > now:
+            deferred[gang.job_id] = (gang, window)
+        else:
+            line.append(gang)
+    return line, deferred, notes
+
+
+def _explain_deferred(
+    deferred: Mapping[int, tuple[Gang, Window]],
+    *,
+    lines: Mapping[str, Sequence[Gang]],
+    started: set[int],
+    now: float,
+) -> dict[int, Wait]:
+    """Deferred jobs come after their queue's waiting line, soonest window first; their ETA is the
+    window's start."""
+    behind = {queue: sum(gang.job_id not in started for gang in line) for queue, line in lines.items()}
+    result: dict[int, Wait] = {}
+    for gang, window in sorted(deferred.values(), key=lambda item: (item[1].start_at, item[0].job_id)):
+        behind[gang.queue] = behind.get(gang.queue, 0) + 1
+        result[gang.job_id] = Wait(behind[gang.queue], window_text(window, now=now), window.start_at)
+    return result
 
 
 def expected_runtime_s(gang: Gang) -> float | None:

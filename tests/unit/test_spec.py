@@ -194,3 +194,16 @@ def test_plateau_detection_is_off_unless_asked_and_by_an_eval_metric_needs_an_ev
     assert error["loc"] == ("eval",) and "plateau.metric 'eval_loss' is an eval metric" in error["msg"]
     with_eval = JobSpec.model_validate(valid(**by_eval, eval={"dataset": {"uri": "file:///d"}}))
     assert with_eval.plateau is not None
+
+
+def test_deferrable_takes_exactly_one_of_finish_by_and_within_h() -> None:
+    spec = JobSpec.model_validate(valid(deferrable={"finish_by": "2027-01-01T10:00:00+02:00"}))
+    assert spec.deferrable is not None and spec.deferrable.finish_by == "2027-01-01T08:00:00Z"
+    assert spec.deferrable.deadline(0) == 1798790400.0
+    # The stored form reads back alike.
+    again = JobSpec.model_validate(valid(deferrable=spec.deferrable.model_dump(mode="json")))
+    assert again.deferrable == spec.deferrable
+    within = JobSpec.model_validate(valid(deferrable={"within_h": 12}))
+    assert within.deferrable is not None and within.deferrable.deadline(1000.0) == 1000.0 + 12 * 3600
+    for bad in ({}, {"finish_by": 1798790400, "within_h": 1}, {"finish_by": "friday"}, {"within_h": 0}):
+        assert error_fields(valid(deferrable=bad))[0].startswith("deferrable")
