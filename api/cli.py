@@ -89,11 +89,13 @@ def _need(command: str, *extras: str, why: str = "") -> None:
 
 
 def _settings(**overrides: Any) -> Settings:
+    from service.costs import check_at_start
     from service.settings import Settings
 
     try:
         settings = Settings(**{key: value for key, value in overrides.items() if value is not None})
         settings.queues  # noqa: B018 (reads and checks APIARY_QUEUES_FILE)
+        check_at_start(settings.price_signal)
     except ValueError as err:  # pydantic's ValidationError or InvalidSpec: a bad APIARY_* variable or file
         console.print(f"[red]error:[/] bad configuration: {one_line(err)}")
         raise typer.Exit(2) from None

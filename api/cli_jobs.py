@@ -181,6 +181,7 @@ def queue(
 
 def show(job_id: JobId, url: Url = None, token: Token = None, as_json: AsJson = False) -> None:
     """A job: its state and progress, why it waits, its checkpoint, and its recent events."""
+    from service.contract.signal import job_cost_text
     from service.contract.states import JobState
 
     with _client(url, token) as client:
@@ -204,6 +205,8 @@ def show(job_id: JobId, url: Url = None, token: Token = None, as_json: AsJson = 
     if job.latest_checkpoint:
         rows.append(("checkpoint", f"step {job.latest_checkpoint_step}: {job.latest_checkpoint}"))
     rows.append(("failures", f"{job.failures} ({job.restarts} restarts), {job.preemptions} preemptions"))
+    if job.resource_hours > 0:
+        rows.append(("cost", escape(job_cost_text(job))))
     rows.append(("created", _when(job.created_at)))
     for key, value in rows:
         console.print(f"[bold]{key:>10}[/]  {value}")

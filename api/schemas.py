@@ -75,6 +75,15 @@ class JobPublic(BaseModel):
     failures: int = Field(
         description="Failures counted against the spec's max_failures: restarts, lost drivers and Ray jobs."
     )
+    resource_hours: float = Field(
+        description="GPU-hours its gang has held so far (CPU-hours for a job without GPUs)."
+    )
+    priced_hours: float = Field(description="The part of resource_hours that the price signal priced.")
+    cost: float = Field(
+        description="What those hours cost by the price signal: in its currency (cost_unit price) or kg "
+        "CO2e (cost_unit carbon)."
+    )
+    cost_unit: str | None = Field(description="price | carbon; null before its ledger first ran.")
     created_at: UtcDatetime
     updated_at: UtcDatetime
     admitted_at: UtcDatetime | None
@@ -244,6 +253,21 @@ class QueuedJobPublic(BaseModel):
     eta_at: UtcDatetime | None
 
 
+class CostPublic(BaseModel):
+    """What jobs have cost (service.costs): one owner's, or (owner null) the whole queue's."""
+
+    owner: str | None
+    unit: str | None = Field(description="price (the signal's currency) | carbon (kg CO2e).")
+    resource_hours: float = Field(description="GPU-hours (CPU-hours of jobs without GPUs).")
+    priced_hours: float
+    cost: float
+
+
+class QueueCostsPublic(BaseModel):
+    total: list[CostPublic] = Field(description="The queue's, one per unit.")
+    by_owner: list[CostPublic]
+
+
 class QueuePublic(BaseModel):
     name: str
     config: QueueConfig
@@ -254,6 +278,7 @@ class QueuePublic(BaseModel):
     borrowed: dict[str, float] = Field(description="What it uses beyond its share.")
     counts: dict[str, int] = Field(description="Unfinished jobs by state.")
     jobs: list[QueuedJobPublic] = Field(description="Queued jobs in order (the first `limit`).")
+    costs: QueueCostsPublic = Field(description="What its jobs have cost, summed per owner and in all.")
 
     @classmethod
     def build(cls, view: QueueView) -> QueuePublic:
@@ -264,6 +289,10 @@ class QueuePublic(BaseModel):
             in_use=view.in_use,
             borrowed=view.borrowed,
             counts=view.counts,
+            costs=QueueCostsPublic(
+                total=[CostPublic.model_validate(cost, from_attributes=True) for cost in view.cost_totals],
+                by_owner=[CostPublic.model_validate(cost, from_attributes=True) for cost in view.costs],
+            ),
             jobs=[
                 QueuedJobPublic(
                     id=job.id,

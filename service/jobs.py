@@ -66,6 +66,7 @@ from service.contract.spec import JobSpec, PlateauAction, PlateauSpec, Queue
 from service.contract.states import JobState, StopReason
 from service.contract.storage import node_local
 from service.contract.trainer_kind import TrainerKind, TrainerNotDefined, kind_of_trainer, kind_refusal
+from service.costs import OwnerCost, sum_costs
 from service.observability import Gauges, Metrics, RankFigures, RunningJob
 from service.planning.formulas import Plan
 from service.planning.measured import measured_plan
@@ -88,6 +89,8 @@ class QueueView:
     borrowed: dict[str, float]
     counts: dict[str, int]  # state -> jobs
     line: list[Job]  # queued jobs in order, the first `limit`
+    costs: list[OwnerCost]  # what its jobs have cost, per owner (service.costs)
+    cost_totals: list[OwnerCost]  # and in all, per unit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -703,6 +706,11 @@ class JobService:
                 totals[key] = totals.get(key, 0.0) + amount
         with self.db.session() as session:
             counts = repository.count_unfinished(session)
+            costs: dict[str, list[OwnerCost]] = {}
+            for queue_name, owner, unit, hours, priced, cost in repository.costs_by_owner(session):
+                costs.setdefault(queue_name, []).append(
+                    OwnerCost(owner=owner, unit=unit, resource_hours=hours, priced_hours=priced, cost=cost)
+                )
             in_use = in_use_by_queue(
                 repository.active_jobs(session), data_cpus=self.settings.data_cpus_per_job
             )
@@ -727,6 +735,8 @@ class JobService:
                         borrowed=borrowed,
                         counts={state.value: n for (name, state), n in counts.items() if name == queue.value},
                         line=repository.waiting_line(session, queue.value, limit=limit, offset=offset),
+                        costs=costs.get(queue.value, []),
+                        cost_totals=sum_costs(costs.get(queue.value, [])),
                     )
                 )
             return views

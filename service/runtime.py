@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from service import costs
 from service.auth import Auth
 from service.cluster import (
     LOCAL_RAY_TOKEN_FILE,
@@ -79,6 +80,7 @@ class Runtime:
 
     def start(self) -> None:
         self.settings.queues  # noqa: B018 (a bad APIARY_QUEUES_FILE fails here, before anything starts)
+        costs.check_at_start(self.settings.price_signal)  # and a bad APIARY_PRICE_SIGNAL file
         # The data dir holds the database, Ray's token and logs, checkpoints: its owner's alone.
         self.settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.settings.data_dir.chmod(0o700)

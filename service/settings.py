@@ -218,6 +218,22 @@ class Settings(BaseSettings):
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default): its loop moves one state a poll, so a run "
         "ended ~3 s after its last checkpoint at Ray's default. Raise it for groups of hundreds of workers.",
     )
+    price_signal: str | None = Field(
+        default=None,
+        description="A time series of price or carbon intensity: a CSV file (start,end,value; Unix seconds "
+        "or ISO 8601) or an http(s) endpoint answering [{start, end, value}] (service.contract.signal). "
+        "Deferrable jobs wait for its cheapest window; every job's cost is counted by it (service.costs).",
+    )
+    price_signal_unit: Literal["price", "carbon"] = Field(
+        default="price",
+        description="'price': the signal's value is a price per GPU-hour (CPU-hour for a job without GPUs); "
+        "'carbon': a carbon intensity in gCO2e/kWh, and costs are kg CO2e (gpu_power_kw, cpu_power_kw).",
+    )
+    price_signal_refresh_s: float = Field(
+        default=300.0, gt=0, description="How often the service reads the price signal again."
+    )
+    gpu_power_kw: float = Field(default=0.7, gt=0, description="What one GPU draws, for carbon costs.")
+    cpu_power_kw: float = Field(default=0.01, gt=0, description="What one CPU draws, for carbon costs.")
     queues_file: Path | None = Field(
         default=None,
         description="YAML/JSON queue configuration over the built-in defaults (service.contract.queues).",

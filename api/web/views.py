@@ -50,6 +50,7 @@ from api.routes.compare import JOB_LIST_PATTERN, parse_job_list
 from api.schemas import CheckpointPublic, ComparePublic, EventPublic, JobPublic, SweepPublic
 from service.auth import SESSION_TTL_S, Auth, User
 from service.contract.errors import Forbidden, InvalidSpec, Unauthenticated
+from service.contract.signal import job_cost_text
 from service.contract.spec import MAX_INT
 from service.contract.states import ACTIVE_STATES, JobState
 from service.contract.system import SYSTEM_FIGURES, SYSTEM_OUTLIER_FACTOR, show_figure
@@ -321,6 +322,7 @@ def job_page(
         "events": events,
         "cursor": f"{event_id}.{metric_id}",
         "spec_json": json.dumps(public.spec.model_dump(mode="json"), indent=2),
+        "cost": job_cost_text(public) if public.resource_hours > 0 else None,
         "now": time.time(),
         "user": user,
     }

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 from service.contract.errors import ApiaryError
 
@@ -38,9 +38,9 @@ class SignalError(ApiaryError, ValueError):
 def parse_time(value: Any) -> float:
     """Unix seconds from a number (Unix seconds) or an ISO 8601 string (UTC when it names no zone)."""
     if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a time (Unix seconds or ISO 8601)")
+        raise ValueError(f"{_shown(value)} is not a time (Unix seconds or ISO 8601)")
     if isinstance(value, int | float):
-        seconds = float(value)
+        seconds = float(value) if abs(value) < 2**53 else math.inf
     elif isinstance(value, str):
         text = value.strip()
         try:
@@ -49,12 +49,12 @@ def parse_time(value: Any) -> float:
             try:
                 parsed = datetime.fromisoformat(text.replace("Z", "+00:00") if text.endswith("Z") else text)
             except ValueError:
-                raise ValueError(f"{value!r} is not a time (Unix seconds or ISO 8601)") from None
+                raise ValueError(f"{_shown(value)} is not a time (Unix seconds or ISO 8601)") from None
             seconds = (parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)).timestamp()
     else:
-        raise ValueError(f"{value!r} is not a time (Unix seconds or ISO 8601)")
+        raise ValueError(f"{_shown(value)} is not a time (Unix seconds or ISO 8601)")
     if not math.isfinite(seconds) or not 0 <= seconds < 2**37:
-        raise ValueError(f"{value!r} is not a time between 1970 and year 6000")
+        raise ValueError(f"{_shown(value)} is not a time between 1970 and year 6000")
     return seconds
 
 
@@ -168,15 +168,53 @@ def parse_json(data: Any, *, source: str) -> Signal:
 
 def _value(value: Any) -> float:
     if isinstance(value, bool):
-        raise ValueError(f"value {value!r} is not a number")
+        raise ValueError(f"value {_shown(value)} is not a number")
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"value {value!r} is not a number") from None
+        raise ValueError(f"value {_shown(value)} is not a number") from None
     if not math.isfinite(number) or number < 0:
-        raise ValueError(f"value {value!r} must be a finite number >= 0")
+        raise ValueError(f"value {_shown(value)} must be a finite number >= 0")
     return number
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _iso(at: float) -> str:
     return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class _Spec(Protocol):
+    @property
+    def uses_gpu(self) -> bool: ...
+
+
+class _Ledger(Protocol):
+    """A job as its cost ledger shows it (the API's JobPublic)."""
+
+    @property
+    def spec(self) -> _Spec: ...
+    @property
+    def resource_hours(self) -> float: ...
+    @property
+    def priced_hours(self) -> float: ...
+    @property
+    def cost(self) -> float: ...
+    @property
+    def cost_unit(self) -> str | None: ...
+
+
+def job_cost_text(job: _Ledger) -> str:
+    """A job's cost ledger in words (`apiary show`, the web view): '3.20 GPU-h, cost 1.45' or
+    '3.20 GPU-h, 0.812 kg CO2e (2.00 GPU-h priced)'."""
+    resource = "GPU" if job.spec.uses_gpu else "CPU"
+    text = f"{job.resource_hours:.2f} {resource}-h"
+    if job.priced_hours <= 0:
+        return f"{text}, not priced (no price signal)"
+    text += f", {job.cost:.3g} kg CO2e" if job.cost_unit == "carbon" else f", cost {job.cost:.4g}"
+    if job.priced_hours < job.resource_hours * (1 - 1e-6):
+        text += f" ({job.priced_hours:.2f} {resource}-h priced)"
+    return text

@@ -30,6 +30,10 @@ Glossary:
 - lost work: the seconds a job has run since its last checkpoint (since its start without one).
 
 Rules, in the order they apply:
+0. Deferral (service.scheduling.deferral): a deferrable job whose cheapest window of the price signal
+   has not begun waits outside its queue's line (it neither heads nor reserves); once its window
+   begins, or its last start has come, it is in the line like any other job. Without a signal
+   (`Deferral.signal` None) nothing is deferred and the reasons say why.
 1. Order within a queue: priority (higher first), then submission time delayed by the owner's decayed
    usage (fair share: of two jobs submitted together, the owner who used less goes first; usage is in
    cluster-seconds, so an owner who held the whole cluster for an hour waits an hour longer), then job
@@ -59,11 +63,7 @@ Rules, in the order they apply:
    only ever run on borrowed capacity, and without this the other queue's steady stream would never
    leave it room (the other queue backfills around it instead). A job that would take its queue
    past its share needs the queue's `may_borrow`.
-6. Deferral (service.scheduling.deferral), before all of the above: a deferrable job whose cheapest
-   window of the price signal has not begun waits outside its queue's line (it neither heads nor
-   reserves); once its window begins, or its last start has come, it is in the line like any other
-   job. Without a signal (`Deferral.signal` None) nothing is deferred and the reasons say why.
-7. Every job left waiting gets its position in its queue (1 = next), a reason a person understands,
+6. Every job left waiting gets its position in its queue (1 = next), a reason a person understands,
    and an ETA: its reservation for a head; for the others an estimate from a walk through the
    active jobs' expected ends in queue order (capacity summed over nodes; None when nothing known
    ends, or beyond the first `ETA_HORIZON` jobs of a queue).
@@ -180,8 +180,8 @@ def decide(
     deferral: Deferral | None = None,
 ) -> Decisions:
     """The module docstring's rules. `usage` is each owner's decayed usage (fair share); without
-    `explain`, rule 7 is skipped (`waiting` stays empty: the simulator needs no reasons); without
-    `deferral`, rule 6 is."""
+    `explain`, rule 6 is skipped (`waiting` stays empty: the simulator needs no reasons); without
+    `deferral`, rule 0 is."""
     deferred: dict[int, tuple[Gang, Window]] = {}
     deferral_notes: dict[int, str] = {}
     if deferral is not None:
@@ -298,7 +298,7 @@ class _Reserved:
 def _defer(
     queued: Sequence[Gang], deferral: Deferral, *, now: float
 ) -> tuple[list[Gang], dict[int, tuple[Gang, Window]], dict[int, str]]:
-    """Rule 6: the jobs that wait for their window, apart; the rest stay queued (with a note when a
+    """Rule 0: the jobs that wait for their window, apart; the rest stay queued (with a note when a
     deferrable job is not deferred for want of a signal or a duration)."""
     line: list[Gang] = []
     deferred: dict[int, tuple[Gang, Window]] = {}

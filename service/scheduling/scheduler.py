@@ -76,6 +76,7 @@ from service.contract.protocol import (
 from service.contract.spec import JobSpec
 from service.contract.states import ACTIVE_STATES, JobState, StopReason
 from service.contract.storage import checkpoint_uri, node_local
+from service.costs import PriceSignal, Rates, accrue
 from service.observability import Metrics
 from service.planning.formulas import time_to_finish_s
 from service.planning.measured import observed_mtbf
@@ -127,6 +128,15 @@ class Scheduler:
         # job -> (the history's version, its expected duration, its queued gang with that estimate)
         self._estimates: dict[int, tuple[int, float | None, Gang]] = {}
         self._unplaceable_since: dict[int, float] = {}  # started jobs whose gang fits no more, since
+        # The price signal (deferral, and the cost ledger), and the jobs whose ledger runs: active at the
+        # last tick (service.costs).
+        self.prices = PriceSignal(settings.price_signal, refresh_s=settings.price_signal_refresh_s)
+        self.rates = Rates(
+            unit=settings.price_signal_unit,
+            gpu_power_kw=settings.gpu_power_kw,
+            cpu_power_kw=settings.cpu_power_kw,
+        )
+        self._charging: set[int] = set()
         # What the log last said of other Ray users' use and of Ray's pending demand (said on change).
         self._others_said = f"other Ray users hold {format_resources({})}"
         self._stop = threading.Event()
@@ -614,8 +624,17 @@ class Scheduler:
             queued = []  # a clean stop is under way: nothing starts
         unreachable = self._unreachable_storage(cluster)
         held, queued = (queued, []) if unreachable else ([], queued)
+        # A job held for its window is looked at again a tick later: it starts by its last start.
+        deferral = self.prices.deferral(now, margin_s=self.settings.scheduler_interval_s)
+        self._keep_ledgers(rows, now=now)
         decisions = decide(
-            cluster=cluster, queued=queued, active=active, now=now, queues=self.queues, usage=usage
+            cluster=cluster,
+            queued=queued,
+            active=active,
+            now=now,
+            queues=self.queues,
+            usage=usage,
+            deferral=deferral,
         )
         if held:
             waiting = {
@@ -629,6 +648,48 @@ class Scheduler:
             self._admit_one(job_id)
         self._store_waiting(decisions, before=waiting_before, admitted=set(decisions.admit))
         return decisions
+
+    def _keep_ledgers(self, rows: Sequence[Any], *, now: float) -> None:
+        """Bring the cost ledgers up to date (service.costs): every `LEDGER_EVERY_S` for an active job,
+        and once more, up to its end, for a job that has left the active states since the last tick."""
+        active = {row.id: row for row in rows if row.state in ACTIVE_STATES}
+        due = [
+            row
+            for row in active.values()
+            if now - (to_time(row.cost_at) or to_time(row.admitted_at) or now) >= LEDGER_EVERY_S
+        ]
+        left = sorted(self._charging - active.keys())
+        self._charging = set(active)
+        if not due and not left:
+            return
+        signal = self.prices.current(now)
+        with self.db.session() as session:
+            if not self._fenced(session):
+                return
+            ended = repository.ledgers(session, left)
+            changes = []
+            for row, end in [(row, now) for row in due] + [
+                (row, to_time(row.finished_at) or now) for row in ended
+            ]:
+                template = self._templates.get(row.id)
+                admitted_at = to_time(row.admitted_at)
+                if template is None or admitted_at is None:
+                    continue
+                start = max(admitted_at, to_time(row.cost_at) or admitted_at)
+                if end <= start:
+                    continue
+                added = accrue(signal, resources=template.totals, start=start, end=end, rates=self.rates)
+                changes.append(
+                    {
+                        "id": row.id,
+                        "resource_hours": row.resource_hours + added.resource_hours,
+                        "priced_hours": row.priced_hours + added.priced_hours,
+                        "cost": row.cost + added.cost,
+                        "cost_unit": self.rates.unit,
+                        "cost_at": _utc(end),
+                    }
+                )
+            repository.set_ledgers(session, changes)
 
     def _note_others(self, decisions: Decisions, cluster: ClusterSnapshot) -> None:
         """Log what other Ray users hold and what Ray cannot place yet, when either changes: on a shared
@@ -1026,6 +1087,8 @@ PRUNE_KEYS_EVERY_S = 300.0
 
 # The states of a job whose Ray job was submitted and has not been seen running yet.
 STARTING_STATES = frozenset({JobState.ADMITTED, JobState.RECOVERING})
+# How often an active job's cost ledger is written (and once more when it stops being active).
+LEDGER_EVERY_S = 30.0
 
 
 # A rank that reports it is finishing a checkpoint write (or an eval) gets this many hang timeouts

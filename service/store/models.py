@@ -126,6 +126,14 @@ class Job(Base):
     # Where the spec's `plateau.metric` stands (service.plateau.PlateauState): what the next telemetry
     # post is judged against.
     plateau: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # The cost ledger (service.costs): the GPU-hours (CPU-hours without GPUs) its gang has held, the part
+    # of them the price signal priced, their cost in `cost_unit` (price | carbon: kg CO2e), and when the
+    # ledger was last brought up to date.
+    resource_hours: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    priced_hours: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    cost: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    cost_unit: Mapped[str | None] = mapped_column(String(16))
+    cost_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan"

@@ -199,6 +199,10 @@ SCHEDULING_COLUMNS = (
     Job.eta_at,
     Job.ranks,
     Job.restarting_since,
+    Job.resource_hours,
+    Job.priced_hours,
+    Job.cost,
+    Job.cost_at,
 )
 
 
@@ -309,8 +313,54 @@ def waiting_line(session: Session, queue: str, *, limit: int, offset: int = 0) -
     return list(session.scalars(query))
 
 
+def ledgers(session: Session, job_ids: Sequence[int]) -> list[Any]:
+    """(id, state, admitted_at, finished_at, resource_hours, priced_hours, cost, cost_at) of `job_ids`."""
+    if not job_ids:
+        return []
+    columns = (
+        Job.id,
+        Job.state,
+        Job.admitted_at,
+        Job.finished_at,
+        Job.resource_hours,
+        Job.priced_hours,
+        Job.cost,
+        Job.cost_at,
+    )
+    return list(session.execute(select(*columns).where(Job.id.in_(job_ids))))
+
+
+def set_ledgers(session: Session, changes: Iterable[Mapping[str, Any]]) -> None:
+    """Store many jobs' cost ledgers in one statement (rows of id, resource_hours, priced_hours, cost,
+    cost_unit, cost_at)."""
+    _update_by_id(session, changes)
+
+
+def costs_by_owner(session: Session) -> list[Any]:
+    """(queue, owner, cost_unit, resource_hours, priced_hours, cost) summed over every job that held
+    resources, by queue, owner and unit."""
+    query = (
+        select(
+            Job.queue,
+            Job.owner,
+            Job.cost_unit,
+            func.sum(Job.resource_hours),
+            func.sum(Job.priced_hours),
+            func.sum(Job.cost),
+        )
+        .where(Job.resource_hours > 0)
+        .group_by(Job.queue, Job.owner, Job.cost_unit)
+        .order_by(Job.queue, Job.owner, Job.cost_unit)
+    )
+    return list(session.execute(query))
+
+
 def set_waiting(session: Session, changes: Iterable[Mapping[str, Any]]) -> None:
     """Store many queued jobs' position, reason and ETA in one statement (rows of id and the three)."""
+    _update_by_id(session, changes)
+
+
+def _update_by_id(session: Session, changes: Iterable[Mapping[str, Any]]) -> None:
     rows = [dict(row) for row in changes]
     if rows:
         session.execute(update(Job), rows)

@@ -1,4 +1,4 @@
-"""Deferral (`service.scheduling.deferral`, rule 6 of the policy): a deferrable job waits for the
+"""Deferral (`service.scheduling.deferral`, rule 0 of the policy): a deferrable job waits for the
 cheapest window of the price signal that still lets it finish by its deadline, and never misses the
 deadline for it."""
 
