@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -70,24 +71,52 @@ def check_at_start(source: str | None) -> None:
 
 
 class PriceSignal:
-    """The signal as the scheduler sees it: read again every `refresh_s`, None while it cannot be."""
+    """The signal as the scheduler sees it: read again every `refresh_s`, None while it cannot be.
+
+    A file is read in the scheduler's pass (it is quick). An endpoint is read there only the first
+    time (so that a restarted service does not start every deferrable job before it has a signal);
+    after that, in a thread of its own, so that a slow endpoint never holds up a pass (the scheduler's
+    lease lasts seconds): the pass goes on with what the last read gave.
+    """
 
     def __init__(self, source: str | None, *, refresh_s: float, timeout_s: float = 5.0) -> None:
         self.source = source
         self.refresh_s = refresh_s
         self.timeout_s = timeout_s
-        self.signal: Signal | None = None
-        self.problem = "" if source else "no price signal (APIARY_PRICE_SIGNAL is not set)"
+        # (signal, why there is none): replaced in one assignment, so a pass never sees half of a read.
+        self._state: tuple[Signal | None, str] = (None, "no price signal (APIARY_PRICE_SIGNAL is not set)")
         self._read_at: float | None = None
+        self._reading: threading.Thread | None = None
+
+    @property
+    def problem(self) -> str:
+        return self._state[1]
 
     def current(self, now: float) -> Signal | None:
         if self.source is None:
             return None
-        if self._read_at is not None and now - self._read_at < self.refresh_s:
-            return self.signal
-        self._read_at = now
+        if self._read_at is None or now - self._read_at >= self.refresh_s:
+            first, self._read_at = self._read_at is None, now
+            if first or not self.source.startswith(("http://", "https://")):
+                self._read()
+            elif self._reading is None or not self._reading.is_alive():
+                self._reading = threading.Thread(target=self._read, name="apiary-price-signal", daemon=True)
+                self._reading.start()
+        return self._state[0]
+
+    def deferral(self, now: float, *, margin_s: float) -> Deferral:
+        signal = self.current(now)
+        return Deferral(signal=signal, margin_s=margin_s, unavailable=self.problem)
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for a read under way in its thread (tests, and a clean stop)."""
+        if self._reading is not None:
+            self._reading.join(timeout_s)
+
+    def _read(self) -> None:
+        assert self.source is not None
         try:
-            self.signal = read_signal(self.source, timeout_s=self.timeout_s)
+            signal = read_signal(self.source, timeout_s=self.timeout_s)
         except SignalError as err:
             if err.message != self.problem:
                 logger.warning(
@@ -95,16 +124,11 @@ class PriceSignal:
                     err.message,
                     extra={"action": "price_signal_unreadable", "source": self.source},
                 )
-            self.signal, self.problem = None, err.message
-            return None
-        if self.problem:
-            logger.info("price signal %s read again", self.source, extra={"action": "price_signal_read"})
-        self.problem = ""
-        return self.signal
-
-    def deferral(self, now: float, *, margin_s: float) -> Deferral:
-        signal = self.current(now)
-        return Deferral(signal=signal, margin_s=margin_s, unavailable=self.problem)
+            self._state = (None, err.message)
+            return
+        if self._state[0] is None:
+            logger.info("price signal %s read", self.source, extra={"action": "price_signal_read"})
+        self._state = (signal, "")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -72,13 +72,17 @@ def test_an_endpoint_is_read_again_and_one_that_fails_defers_nothing(
     assert prices.deferral(0, margin_s=1).signal == build_signal([(0, 60, 2)], source="x")
     endpoint["status"] = 503
     assert prices.current(30) is not None  # not read again before refresh_s
-    deferral = prices.deferral(60, margin_s=1)
+    prices.current(60)  # read again, in a thread of its own: the pass goes on with what it had
+    prices.join(5)
+    deferral = prices.deferral(61, margin_s=1)
     assert deferral.signal is None and deferral.unavailable.startswith(
         f"price signal {endpoint['url']} cannot be read"
     )
     assert "deferrable jobs start like any other job" in caplog.text
     endpoint["status"] = 200
-    assert prices.current(120) is not None and prices.problem == ""
+    prices.current(120)
+    prices.join(5)
+    assert prices.current(121) is not None and prices.problem == ""
 
 
 def test_a_bad_signal_file_stops_the_start_with_a_clear_error(tmp_path: Path) -> None:
