@@ -1,25 +1,32 @@
-"""API load: 1,000 concurrent job submissions as an SDK sends them (retries, `Idempotency-Key`), each
-persisted exactly once, on SQLite and on PostgreSQL.
+"""API load: 1,000 concurrent job submissions as an SDK sends them (a token, retries, `Idempotency-Key`),
+each persisted exactly once, on SQLite and on PostgreSQL, against the stack's own floor measured in the
+same run.
 
     PYTHONPATH=. .venv/bin/python benchmarks/api_load.py        # ~2-3 minutes here; needs PostgreSQL
 
-For each database (SQLite: a new file; PostgreSQL: a fresh database, dropped after):
-1. the service runs in its own process (`api_load.py serve`: uvicorn on a free port, the real app and
-   scheduler loop, a fake cluster of 4 CPUs that runs what it admits: Ray is not measured), so the
-   client's event loop does not share its interpreter;
-2. `--jobs` logical submissions start at once (asyncio, raw httpx, one connection each; at most
+For each database (SQLite: a new file; PostgreSQL: a fresh database, dropped after), twice:
+- the baseline (`api_load.py baseline`): a bare FastAPI + SQLAlchemy app in uvicorn, one sync route that
+  validates the body as the same `JobSpec` and inserts one row (its spec as JSON) in one session, on
+  its own fresh database of the same kind; the same clients, without repeats or timeouts (it has no
+  idempotency: a repeat would be a second row);
+- Apiary (`api_load.py serve`): the real app with auth required (each request carries a user's API
+  token) and its scheduler loop, a fake cluster of 4 CPUs that runs what it admits (Ray is not
+  measured);
+each server in its own process, so the clients' event loop does not share its interpreter. Then:
+1. `--jobs` logical submissions start at once (asyncio, raw httpx, one connection each; at most
    `--concurrency` in flight if given), each with its own `Idempotency-Key` and spec. As an SDK
    does, a request that times out, cannot connect or gets a 5xx is sent again with the same key
    (backoff 0.1 s x 2^n, at most 6 tries). On purpose: `--repeat` of them are sent twice at the same
    time (the same key and body from two clients), and `--timeout-retry` of them first go out with a
    5 ms read timeout, so the client gives up while the server still works, then retry;
-3. the check: every logical submission got one job id from all its answers, and the database holds
+2. the check: every logical submission got one job id from all its answers, and the database holds
    exactly one job per submission (counted by name, which is unique per submission) and one
    idempotency key per submission, pointing at that job.
 
 Printed: submissions/s (logical submissions over the wall time from the first request to the last
-answer), and p50/p99 latency of a submission as its caller sees it (first send to the final answer,
-retries included) and of one HTTP request that got an answer. With every submission in flight at
+answer) of each, Apiary's rate over the baseline's (the figure to read on a shared machine), and
+p50/p99 latency of a submission as its caller sees it (first send to the final answer, retries
+included) and of one HTTP request that got an answer. With every submission in flight at
 once, the latency is mostly waiting in the server's queue (about jobs / throughput at worst).
 
 PostgreSQL: `APIARY_BENCH_PG_URL` (default postgresql+psycopg://postgres@127.0.0.1:5432/postgres).
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +46,7 @@ import time
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +58,15 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from _common import command, machine, postgres_database  # noqa: E402
-from sqlalchemy import func, select  # noqa: E402
+from fastapi import FastAPI  # noqa: E402
+from sqlalchemy import JSON, DateTime, String, create_engine, event, func, select, text  # noqa: E402
+from sqlalchemy.engine import make_url  # noqa: E402
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column  # noqa: E402
 
+from service.auth import Auth  # noqa: E402
 from service.cluster import free_port  # noqa: E402
+from service.contract.spec import JobSpec  # noqa: E402
+from service.settings import Settings  # noqa: E402
 from service.store.db import Database  # noqa: E402
 from service.store.models import IdempotencyKey, Job  # noqa: E402
 from tests.support.fakes import FakeBackend  # noqa: E402
@@ -73,19 +88,81 @@ def serve(*, database_url: str, port: int, data_dir: Path) -> None:
 
     # The dataset lies beside the data dir, in the benchmark's work folder.
     settings = Settings(
-        data_dir=data_dir, database_url=database_url, port=port, data_roots=str(data_dir.parent)
+        data_dir=data_dir,
+        database_url=database_url,
+        port=port,
+        data_roots=str(data_dir.parent),
+        auth_required=True,
     )
     app = create_app(runtime=Runtime(settings, backend=FakeBackend.running()))
     # One process, as `apiary serve` runs; no access log (a line per request is not what is measured).
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
+class BaselineBase(DeclarativeBase):
+    pass
+
+
+class BaselineSubmission(BaselineBase):
+    """The baseline's one table: a submission's name and spec."""
+
+    __tablename__ = "submissions"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=lambda: datetime.now(UTC))
+
+
+def baseline_app(database_url: str) -> FastAPI:
+    """The stack's floor: FastAPI validates the body as a `JobSpec`, and one SQLAlchemy session inserts
+    it as one row, as a bare app of the same stack would."""
+    if database_url.startswith("sqlite"):
+        engine = create_engine(database_url, connect_args={"check_same_thread": False, "timeout": 30})
+        # WAL, as Apiary's engine sets it: the floor should not pay for a rollback journal either.
+        event.listen(engine, "connect", lambda connection, _: connection.execute("PRAGMA journal_mode=WAL"))
+    else:
+        engine = create_engine(database_url)
+    BaselineBase.metadata.create_all(engine)
+    app = FastAPI()
+
+    @app.get("/readyz")
+    def readyz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/jobs", status_code=201)
+    def submit(spec: JobSpec) -> dict[str, int]:
+        with Session(engine) as session, session.begin():
+            row = BaselineSubmission(name=spec.name, spec=spec.model_dump(mode="json"))
+            session.add(row)
+            session.flush()
+            return {"id": row.id}
+
+    return app
+
+
+def baseline(*, database_url: str, port: int) -> None:
+    """The baseline's server (`api_load.py baseline`), as `serve` runs Apiary's."""
+    import uvicorn
+
+    uvicorn.run(
+        baseline_app(database_url), host="127.0.0.1", port=port, log_level="warning", access_log=False
+    )
+
+
 @contextmanager
-def served(database_url: str, *, workdir: Path) -> Iterator[str]:
+def served(database_url: str, *, workdir: Path, kind: str, profile: Path | None) -> Iterator[str]:
     port = free_port()
-    log = workdir / f"serve-{port}.log"
-    command = [sys.executable, __file__, "serve", "--database-url", database_url, "--port", str(port)]
-    command += ["--data-dir", str(workdir / f"data-{port}")]
+    log = workdir / f"{kind}-{port}.log"
+    command = [sys.executable, __file__, kind, "--database-url", database_url, "--port", str(port)]
+    if kind == "serve":
+        command += ["--data-dir", str(workdir / f"data-{port}")]
+        if profile is not None:
+            profile.mkdir(parents=True, exist_ok=True)
+            stacks = profile / f"{make_url(database_url).get_backend_name()}-{port}.txt"
+            py_spy = str(Path(sys.executable).parent / "py-spy")
+            # Collapsed stacks of the thread holding the GIL (on 2 cores, the server's CPU is the limit).
+            options = ["--gil", "--format", "raw", "-r", "100", "-o", str(stacks)]
+            command = [py_spy, "record", *options, "--", *command]
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -106,9 +183,10 @@ def served(database_url: str, *, workdir: Path) -> Iterator[str]:
             time.sleep(0.2)
         yield url
     finally:
-        process.terminate()
+        # py-spy writes its stacks when its child ends (SIGINT: it stops the child first).
+        process.send_signal(signal.SIGINT if profile is not None and kind == "serve" else signal.SIGTERM)
         try:
-            process.wait(30)
+            process.wait(60)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
@@ -145,9 +223,12 @@ async def submit(
     outcome: Outcome,
     load: Load,
     first_read_timeout_s: float | None,
+    token: str | None,
 ) -> None:
     """Send one submission until it is answered, as an SDK does: same key on every try."""
     headers = {"Idempotency-Key": f"bench-{index}"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
     started = time.perf_counter()
     for attempt in range(MAX_TRIES):
         outcome.tries += 1
@@ -180,7 +261,13 @@ async def submit(
 
 
 async def run_load(
-    url: str, *, specs: list[dict[str, Any]], repeated: set[int], timed_out: set[int], concurrency: int | None
+    url: str,
+    *,
+    specs: list[dict[str, Any]],
+    repeated: set[int],
+    timed_out: set[int],
+    concurrency: int | None,
+    token: str | None,
 ) -> tuple[list[Outcome], Load, float]:
     outcomes = [Outcome(index) for index in range(len(specs))]
     load = Load()
@@ -195,6 +282,7 @@ async def run_load(
                 outcome=outcomes[index],
                 load=load,
                 first_read_timeout_s=SHORT_READ_TIMEOUT_S if index in timed_out else None,
+                token=token,
             )
             for index, spec in enumerate(specs)
         ]
@@ -207,6 +295,7 @@ async def run_load(
                 outcome=outcomes[index],
                 load=load,
                 first_read_timeout_s=None,
+                token=token,
             )
             for index in sorted(repeated)
         ]
@@ -239,14 +328,19 @@ def spec_for(index: int, dataset_uri: str) -> dict[str, Any]:
 # -- the check --------------------------------------------------------------------------------------
 
 
-def check_persisted_once(database_url: str, outcomes: list[Outcome]) -> list[str]:
-    """What is wrong: a submission answered with no job or several, or not exactly one job and one key
-    per submission in the database, or a key pointing at another job."""
-    problems = [
-        f"submission {o.index}: job ids {sorted(o.job_ids)}, error {o.error}"
+def answered_once(outcomes: list[Outcome]) -> list[str]:
+    """A submission answered with no id or several."""
+    return [
+        f"submission {o.index}: ids {sorted(o.job_ids)}, error {o.error}"
         for o in outcomes
         if len(o.job_ids) != 1
     ]
+
+
+def check_persisted_once(database_url: str, outcomes: list[Outcome]) -> list[str]:
+    """What is wrong: a submission answered with no job or several, or not exactly one job and one key
+    per submission in the database, or a key pointing at another job."""
+    problems = answered_once(outcomes)
     db = Database(database_url)
     try:
         with db.session() as session:
@@ -280,20 +374,71 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def bench(name: str, database_url: str, *, workdir: Path, dataset_uri: str, args: argparse.Namespace) -> bool:
-    rng = random.Random(1)
-    specs = [spec_for(index, dataset_uri) for index in range(args.jobs)]
-    chosen = rng.sample(range(args.jobs), args.repeat + args.timeout_retry)
-    repeated, timed_out = set(chosen[: args.repeat]), set(chosen[args.repeat :])
-    with served(database_url, workdir=workdir) as url:
+def check_baseline_once(database_url: str, outcomes: list[Outcome]) -> list[str]:
+    """The baseline's check: one id per submission, one row per submission's name, that id."""
+    problems = answered_once(outcomes)
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as connection:
+            rows: dict[str, list[int]] = {}
+            for row_id, name in connection.execute(text("SELECT id, name FROM submissions")):
+                rows.setdefault(name, []).append(row_id)
+    finally:
+        engine.dispose()
+    for outcome in outcomes:
+        found = rows.get(f"load-{outcome.index}", [])
+        if len(found) != 1 or outcome.job_ids != set(found):
+            problems.append(f"submission {outcome.index}: rows {found}, answered {sorted(outcome.job_ids)}")
+    if len(rows) != len(outcomes):
+        problems.append(f"{len(rows)} names for {len(outcomes)} submissions")
+    return problems
+
+
+def api_token(database_url: str) -> str:
+    """A new (non-admin) user's API token, in a database migrated for the service."""
+    db = Database(database_url)
+    try:
+        db.upgrade()
+        return Auth(db=db, settings=Settings(database_url=database_url)).create_token(user="bench").secret
+    finally:
+        db.dispose()
+
+
+def measure(
+    label: str,
+    database_url: str,
+    *,
+    kind: str,
+    workdir: Path,
+    specs: list[dict[str, Any]],
+    repeated: set[int],
+    timed_out: set[int],
+    args: argparse.Namespace,
+) -> tuple[float, bool]:
+    """Run the load against one server (`kind`: serve or baseline); print what it saw. (rate, ok)."""
+    token = api_token(database_url) if kind == "serve" else None
+    with served(database_url, workdir=workdir, kind=kind, profile=args.profile) as url:
+        # Steady state: a first request builds what each server builds once (routes, validators).
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        assert httpx.post(f"{url}/jobs", json={}, headers=headers, timeout=60).status_code == 422
         outcomes, load, wall_s = asyncio.run(
-            run_load(url, specs=specs, repeated=repeated, timed_out=timed_out, concurrency=args.concurrency)
+            run_load(
+                url,
+                specs=specs,
+                repeated=repeated,
+                timed_out=timed_out,
+                concurrency=args.concurrency,
+                token=token,
+            )
         )
-    problems = check_persisted_once(database_url, outcomes)
+    if kind == "serve":
+        problems = check_persisted_once(database_url, outcomes)
+    else:
+        problems = check_baseline_once(database_url, outcomes)
     latencies = [o.latency_s for o in outcomes]
     replayed = sum(o.replayed for o in outcomes)
     print(
-        f"{name}: {args.jobs} submissions ({args.repeat} sent twice at once, {args.timeout_retry} first "
+        f"{label}: {len(specs)} submissions ({len(repeated)} sent twice at once, {len(timed_out)} first "
         f"timed out by the client), {len(load.requests_s)} answered requests, {load.client_timeouts} client "
         f"timeouts, {load.server_errors} 5xx, other transport errors {load.transport_errors or 'none'}, "
         f"{replayed} replays (200)"
@@ -305,18 +450,53 @@ def bench(name: str, database_url: str, *, workdir: Path, dataset_uri: str, args
         "request p99": percentile(load.requests_s, 0.99) * 1000,
         "request mean": statistics.fmean(load.requests_s) * 1000,
     }
+    rate = len(specs) / wall_s
     print(
-        f"  **{args.jobs / wall_s:.0f} submissions/s** ({wall_s:.1f} s); submission latency p50 "
+        f"  **{rate:.0f} submissions/s** ({wall_s:.1f} s); submission latency p50 "
         f"**{ms['p50']:.0f} ms**, p99 **{ms['p99']:.0f} ms**; request latency p50 "
         f"{ms['request p50']:.0f} ms, p99 {ms['request p99']:.0f} ms, mean {ms['request mean']:.0f} ms"
     )
     if problems:
         print(f"  NOT persisted exactly once: {len(problems)} problem(s), e.g.", *problems[:10], sep="\n    ")
     else:
-        print(
-            f"  every submission persisted exactly once: {args.jobs} jobs, {args.jobs} keys, one job id each"
+        stored = f"{len(specs)} jobs, {len(specs)} keys" if kind == "serve" else f"{len(specs)} rows"
+        print(f"  every submission persisted exactly once: {stored}, one id each")
+    return rate, not problems
+
+
+def bench(
+    name: str, urls: tuple[str, str], *, workdir: Path, dataset_uri: str, args: argparse.Namespace
+) -> bool:
+    """The baseline on `urls[0]`, then Apiary on `urls[1]` (two fresh databases of one kind)."""
+    rng = random.Random(1)
+    specs = [spec_for(index, dataset_uri) for index in range(args.jobs)]
+    chosen = rng.sample(range(args.jobs), args.repeat + args.timeout_retry)
+    repeated, timed_out = set(chosen[: args.repeat]), set(chosen[args.repeat :])
+    floor, floor_ok = 0.0, True
+    if not args.no_baseline:
+        floor, floor_ok = measure(
+            f"{name}, baseline",
+            urls[0],
+            kind="baseline",
+            workdir=workdir,
+            specs=specs,
+            repeated=set(),
+            timed_out=set(),
+            args=args,
         )
-    return not problems
+    rate, ok = measure(
+        f"{name}, Apiary",
+        urls[1],
+        kind="serve",
+        workdir=workdir,
+        specs=specs,
+        repeated=repeated,
+        timed_out=timed_out,
+        args=args,
+    )
+    if floor:
+        print(f"  {name}: Apiary / baseline **{rate / floor:.2f}x** ({rate:.0f} / {floor:.0f} submissions/s)")
+    return ok and floor_ok
 
 
 def write_dataset(uri_dir: Path) -> str:
@@ -335,14 +515,17 @@ def write_dataset(uri_dir: Path) -> str:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["serve"]:
+    if sys.argv[1:2] in (["serve"], ["baseline"]):
         parser = argparse.ArgumentParser()
-        parser.add_argument("serve")
+        parser.add_argument("kind")
         parser.add_argument("--database-url", required=True)
         parser.add_argument("--port", type=int, required=True)
-        parser.add_argument("--data-dir", type=Path, required=True)
+        parser.add_argument("--data-dir", type=Path)
         served_args = parser.parse_args()
-        serve(database_url=served_args.database_url, port=served_args.port, data_dir=served_args.data_dir)
+        if served_args.kind == "baseline":
+            baseline(database_url=served_args.database_url, port=served_args.port)
+        else:
+            serve(database_url=served_args.database_url, port=served_args.port, data_dir=served_args.data_dir)
         return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -359,6 +542,14 @@ def main() -> None:
         help="at most this many submissions in flight (default: all at once); a latency not made of queueing",
     )
     parser.add_argument("--databases", default="sqlite,postgresql")
+    parser.add_argument("--no-baseline", action="store_true", help="measure Apiary alone")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="run Apiary's server under py-spy (the thread holding the GIL, 100 samples/s) and write its "
+        "collapsed stacks (py-spy's raw format: a flame graph's input) per database into this folder",
+    )
     args = parser.parse_args()
     ok = True
     with tempfile.TemporaryDirectory(prefix="apiary-load-") as temporary:
@@ -366,16 +557,11 @@ def main() -> None:
         dataset_uri = write_dataset(workdir / "dataset")
         for name in args.databases.split(","):
             if name == "sqlite":
-                ok &= bench(
-                    name,
-                    f"sqlite:///{workdir / 'load.db'}",
-                    workdir=workdir,
-                    dataset_uri=dataset_uri,
-                    args=args,
-                )
+                urls = (f"sqlite:///{workdir / 'baseline.db'}", f"sqlite:///{workdir / 'load.db'}")
+                ok &= bench(name, urls, workdir=workdir, dataset_uri=dataset_uri, args=args)
             else:
-                with postgres_database() as url:
-                    ok &= bench(name, url, workdir=workdir, dataset_uri=dataset_uri, args=args)
+                with postgres_database() as floor_url, postgres_database() as url:
+                    ok &= bench(name, (floor_url, url), workdir=workdir, dataset_uri=dataset_uri, args=args)
     print(f"- machine: {machine()}, at the end")
     print(f"- command: `{command()}`")
     sys.exit(0 if ok else 1)
