@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api import errors
-from api.deps import authenticate_request, bearer_of
+from api.deps import GATE_USER, authenticate_request, bearer_of
 from service.contract.errors import ApiaryError, JobNotFound
 from service.runtime import Runtime
 
@@ -68,4 +68,5 @@ class AuthenticateFirst:
             if request.method == "POST":  # its one method (another is a 405, with or without a token)
                 runtime.jobs.check_report_token(int(telemetry.group(1)), bearer)
         elif not request.url.path.startswith("/internal/"):
-            authenticate_request(runtime.auth, request)
+            # Kept for the route (api.deps.get_current_user): one token lookup per request.
+            setattr(request.state, GATE_USER, authenticate_request(runtime.auth, request))

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import event
 from typer.testing import CliRunner
 
 from api.app import create_app
@@ -113,6 +114,34 @@ def test_the_job_belongs_to_the_tokens_user_whatever_a_header_says(
     assert response.json()["owner"] == "bob"
     assert people.bob.get("/me").json() == {"user": "bob", "admin": False}
     assert people.root.get("/me").json() == {"user": "root", "admin": True}
+
+
+def test_a_request_looks_its_token_up_once(service: Service, people: People, spec: dict[str, Any]) -> None:
+    # api.gate authenticates a request with a body before reading it; the route takes that user.
+    lookups: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if "FROM api_tokens" in statement:
+            lookups.append(statement)
+
+    assert service.runtime.db is not None
+    engine = service.runtime.db.engine
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        assert submit(people.bob, spec)["owner"] == "bob"
+        assert len(lookups) == 1, lookups
+        assert people.bob.get("/me").json()["user"] == "bob"  # no body: the route looks it up
+        assert len(lookups) == 2, lookups
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    # Still every request: a revoked token is refused at once, with a body or without.
+    people.root.delete(f"/admin/tokens/{token_id(service, 'bob')}").raise_for_status()
+    assert people.bob.post("/jobs", json=spec).status_code == 401
+    assert people.bob.get("/me").status_code == 401
+
+
+def token_id(service: Service, user: str) -> int:
+    return next(token.id for token in service.runtime.auth.list_tokens() if token.user_name == user)
 
 
 def test_only_the_owner_or_an_admin_cancels(service: Service, people: People, spec: dict[str, Any]) -> None:
