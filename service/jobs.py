@@ -277,13 +277,14 @@ class JobService:
         may have moved since: the job exists, and the first request was the one checked)."""
         owner = by.name
         digest = request_hash(spec)
+        expired_before = self._keys_expire_before()
+        stale = False  # an expired row of the key is there: the insert replaces it
         if key is not None:
             with self.db.session() as session:
-                found = repository.find_idempotency_key(
-                    session, owner=owner, key=key, since=self._keys_expire_before()
-                )
-                if found is not None:
+                found = repository.find_idempotency_key(session, owner=owner, key=key, since=None)
+                if found is not None and repository.is_live(found, since=expired_before):
                     return self._replay(session, found, digest)
+                stale = found is not None
         spec, package = self.checked(spec, by=by)
         try:
             with self.db.session() as session:
@@ -303,7 +304,7 @@ class JobService:
                         key=key,
                         request_hash=digest,
                         job_id=job.id,
-                        expired_before=self._keys_expire_before(),
+                        expired_before=expired_before if stale else None,
                     )
                 return Submission(job=job, replayed=False)
         except IntegrityError:

@@ -107,27 +107,42 @@ def find_code_package(session: Session, *, sha256: str, owner: str | None) -> Co
 # -- idempotency keys (service.jobs: JobService.submit_idempotent) ------------------------------------
 
 
-def find_idempotency_key(session: Session, *, owner: str, key: str, since: datetime) -> IdempotencyKey | None:
-    """`owner`'s `key`, if it was stored at or after `since` (an older one no longer matches)."""
-    query = select(IdempotencyKey).where(
-        IdempotencyKey.owner == owner, IdempotencyKey.key == key, IdempotencyKey.created_at >= since
-    )
+def find_idempotency_key(
+    session: Session, *, owner: str, key: str, since: datetime | None
+) -> IdempotencyKey | None:
+    """`owner`'s `key`, if it was stored at or after `since` (an older one no longer matches); with
+    `since` None, whatever its age."""
+    query = select(IdempotencyKey).where(IdempotencyKey.owner == owner, IdempotencyKey.key == key)
+    if since is not None:
+        query = query.where(IdempotencyKey.created_at >= since)
     return session.scalars(query).one_or_none()
 
 
+def is_live(found: IdempotencyKey, *, since: datetime) -> bool:
+    """Whether a key found with `since=None` was stored at or after `since` (it still matches)."""
+    return _aware(found.created_at) >= since
+
+
 def add_idempotency_key(
-    session: Session, *, owner: str, key: str, request_hash: str, job_id: int, expired_before: datetime
+    session: Session,
+    *,
+    owner: str,
+    key: str,
+    request_hash: str,
+    job_id: int,
+    expired_before: datetime | None,
 ) -> None:
-    """Store `key` for the job just created in this transaction. An expired row of the same key is
-    replaced; a live one (a concurrent request that won) makes the flush raise IntegrityError, which
-    rolls the whole transaction back, the job with it."""
-    session.execute(
-        delete(IdempotencyKey).where(
-            IdempotencyKey.owner == owner,
-            IdempotencyKey.key == key,
-            IdempotencyKey.created_at < expired_before,
+    """Store `key` for the job just created in this transaction. With `expired_before` (the caller saw
+    an expired row of the key), that row is replaced; a live one (a concurrent request that won) makes
+    the flush raise IntegrityError, which rolls the whole transaction back, the job with it."""
+    if expired_before is not None:
+        session.execute(
+            delete(IdempotencyKey).where(
+                IdempotencyKey.owner == owner,
+                IdempotencyKey.key == key,
+                IdempotencyKey.created_at < expired_before,
+            )
         )
-    )
     session.add(
         IdempotencyKey(owner=owner, key=key, request_hash=request_hash, job_id=job_id, created_at=utcnow())
     )
