@@ -7,11 +7,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from typing import Any
+
+import pytest
 
 from service.cluster import RayJobStatus
 from service.contract.protocol import code_modules
-from service.scheduling.scheduler import Scheduler
+from service.scheduling.scheduler import WAKE_GAP_S, Scheduler
 from service.store import repository
 from tests.integration.conftest import Service
 
@@ -152,6 +155,48 @@ def test_queues_show_configuration_use_borrowing_and_the_ordered_line(
     assert [job["position"] for job in research["jobs"]] == [1, 2]
     assert research["jobs"][0]["reason"].startswith("needs 3 worker(s) x 1 CPU + 1 CPU; free now 2 CPU")
     assert queues["full-scale"]["counts"] == {} and queues["full-scale"]["jobs"] == []
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # the loop's timing: any database
+def test_a_burst_of_wakes_is_served_by_spaced_passes_and_a_lone_wake_at_once(service: Service) -> None:
+    settings = service.runtime.settings.model_copy(update={"scheduler_interval_s": 5.0})
+    scheduler = Scheduler(db=service.runtime.scheduler.db, backend=service.backend, settings=settings)
+    passes: list[tuple[float, float]] = []  # (start, end) of each pass
+    tick = scheduler.tick
+
+    def recorded(now: float | None = None) -> None:
+        started = time.monotonic()
+        tick(now)
+        passes.append((started, time.monotonic()))
+
+    scheduler.tick = recorded  # type: ignore[method-assign]
+    scheduler.start()
+    try:
+        wait_until(lambda: len(passes) == 1)
+        time.sleep(WAKE_GAP_S + 0.1)
+        woken = time.monotonic()
+        scheduler.wake()  # after a quiet while: a pass at once, not after the 5 s interval
+        wait_until(lambda: len(passes) == 2)
+        assert passes[1][0] - woken < 1.0
+        burst_started = time.monotonic()
+        for _ in range(20):  # a burst of submissions, each waking the loop
+            scheduler.wake()
+            time.sleep(0.02)
+        last_wake = time.monotonic()
+        wait_until(lambda: passes[-1][0] > last_wake)  # the last wake is served too
+        during = [start for start, _ in passes[2:] if start >= burst_started]
+        assert len(during) <= (last_wake - burst_started) / WAKE_GAP_S + 2, passes
+        for (_, previous_end), (start, _) in pairwise(passes):
+            assert start - previous_end >= WAKE_GAP_S - 0.01, passes
+    finally:
+        scheduler.stop()
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 4.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.01)
 
 
 def test_one_replica_schedules_at_a_time_and_another_takes_over_when_its_lease_runs_out(
