@@ -25,6 +25,12 @@ report token, so only the data dir's `datasets/` folder may hold datasets; the l
 (outside the data dir when that path is long) is refused too, and so is any path through a handoff
 folder (`_apiary`, `service.contract.handoff`), local or in S3.
 
+A dataset with a manifest is listed in full once per version of its manifest (`ListingCache`: by
+location, and the manifest's inode, size, ctime and mtime locally, its size and mtime in S3): until the
+manifest changes, a submission skips reading it and the per-shard metadata calls in S3, but still
+resolves the URI against the roots, and locally stats and resolves every shard again (a shard gone, of
+another size, or replaced by a link out of the roots is refused as before).
+
 "Not allowed" and "not found" give the same message, so that the answers cannot be used to map the
 API host's files. The check is made at submission: the trainers list the dataset again when the job
 runs, as the user the cluster runs them as.
@@ -35,6 +41,9 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -42,11 +51,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+import pyarrow.fs as pafs
+
 from service.contract.errors import DatasetError, InvalidSpec
 from service.contract.handoff import HANDOFF_DIR
 from service.contract.protocol import find_module
 from service.contract.spec import BUILTIN_TRAINERS, DataFormat
-from service.contract.storage import MAX_LIST_DEPTH, MAX_LIST_ENTRIES, DatasetMissing, list_shards
+from service.contract.storage import (
+    MANIFEST_NAME,
+    MAX_LIST_DEPTH,
+    MAX_LIST_ENTRIES,
+    DatasetMissing,
+    list_shards,
+    resolve_uri,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +140,8 @@ def check_dataset(
         raise _not_available(uri, field=field)
 
     def listed_files_allowed() -> bool:
-        files, _ = list_shards(
-            location if location.startswith("s3://") else Path(location).as_uri(),
+        files = _listed_shards(
+            location,
             data_format=data_format,
             s3_endpoint_url=s3_endpoint_url,
             max_entries=max_entries,
@@ -156,6 +174,121 @@ def check_dataset(
             "(apiary data shard) or point at a smaller folder",
             field=field,
         ) from None
+
+
+# -- listings remembered by their manifest -------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Listing:
+    marker: tuple[int, ...]  # the manifest's change marker when the dataset was listed in full
+    files: tuple[str, ...]
+    sizes: tuple[int | None, ...] | None  # local shards' sizes then (None in S3)
+
+
+class ListingCache:
+    """Full listings of datasets with a manifest, by location, format and S3 endpoint (at most
+    `max_entries`, the least recently used dropped). A listing stands while its manifest's change
+    marker is the same, and is not remembered while the manifest's mtime is within `RACY_S` of now (a
+    change in the same clock tick could leave the marker as it was; git's racy-clean rule)."""
+
+    RACY_S = 2.0
+
+    def __init__(self, max_entries: int = 1024) -> None:
+        self.max_entries = max_entries
+        self._listings: OrderedDict[tuple[str, str, str | None], _Listing] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str, str | None], marker: tuple[int, ...]) -> _Listing | None:
+        with self._lock:
+            listing = self._listings.get(key)
+            if listing is None or listing.marker != marker:
+                return None
+            self._listings.move_to_end(key)
+            return listing
+
+    def put(self, key: tuple[str, str, str | None], listing: _Listing) -> None:
+        with self._lock:
+            self._listings[key] = listing
+            self._listings.move_to_end(key)
+            while len(self._listings) > self.max_entries:
+                self._listings.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._listings.clear()
+
+
+_listings = ListingCache()
+
+
+def _listed_shards(
+    location: str,
+    *,
+    data_format: DataFormat,
+    s3_endpoint_url: str | None,
+    max_entries: int,
+    max_depth: int,
+) -> list[str]:
+    """`list_shards` of a resolved `location`, from `_listings` while its manifest is unchanged.
+
+    What a remembered listing skips: reading and parsing the manifest, and (in S3) a metadata call per
+    shard. What it still does: a local shard is stat'ed (it must exist with the size it had, as the
+    manifest's check asks) and, in `check_dataset`, resolved again (a shard replaced by a link out of
+    the roots is refused); the URI and the roots are checked on every request. A dataset without a
+    manifest is listed every time: its listing is its only change marker."""
+    local = not location.startswith("s3://")
+    uri = Path(location).as_uri() if local else location
+    key = (location, str(data_format), s3_endpoint_url)
+    marker = _manifest_marker(location, s3_endpoint_url=s3_endpoint_url)
+    if marker is not None:
+        listing = _listings.get(key, marker)
+        if listing is not None and (listing.sizes is None or _sizes(listing.files) == listing.sizes):
+            return list(listing.files)
+    files, _ = list_shards(
+        uri,
+        data_format=data_format,
+        s3_endpoint_url=s3_endpoint_url,
+        max_entries=max_entries,
+        max_depth=max_depth,
+    )
+    # The marker was read before the listing: a manifest changed since makes the next check list again.
+    if marker is not None and time.time() - marker[-1] / 1e9 > ListingCache.RACY_S:
+        sizes = _sizes(files) if local else None
+        if sizes is None or None not in sizes:
+            _listings.put(key, _Listing(marker=marker, files=tuple(files), sizes=sizes))
+    return files
+
+
+def _manifest_marker(location: str, *, s3_endpoint_url: str | None) -> tuple[int, ...] | None:
+    """What changes when a dataset's manifest is rewritten, replaced or removed: locally its inode, size,
+    ctime and mtime; in S3 its size and mtime (mtime last). None without a manifest."""
+    manifest = f"{location.rstrip('/')}/{MANIFEST_NAME}"
+    if not location.startswith("s3://"):
+        try:
+            found = os.stat(manifest)
+        except OSError:
+            return None
+        return (found.st_ino, found.st_size, found.st_ctime_ns, found.st_mtime_ns)
+    path, filesystem = resolve_uri(manifest, s3_endpoint_url=s3_endpoint_url)
+    try:
+        info = filesystem.get_file_info(path)
+    except OSError:
+        return None  # the listing says what is wrong
+    if info.type != pafs.FileType.File or info.size is None or info.mtime_ns is None:
+        return None
+    return (info.size, info.mtime_ns)
+
+
+def _sizes(files: Sequence[str]) -> tuple[int | None, ...]:
+    """Each local file's size (None: gone)."""
+    sizes: list[int | None] = []
+    for file in files:
+        try:
+            sizes.append(os.stat(file).st_size)
+        except OSError:
+            sizes.append(None)
+    return tuple(sizes)
 
 
 def _not_available(uri: str, *, field: str) -> DatasetError:

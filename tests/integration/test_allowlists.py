@@ -4,6 +4,7 @@ bounds. Every refusal is a 422 naming the field, and writes nothing."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -19,7 +20,9 @@ from service.allowlists import check_dataset, check_trainer
 from service.cluster import local_ray_temp_dir
 from service.contract.errors import DatasetError, InvalidSpec
 from service.contract.spec import DataFormat
+from service.contract.storage import MANIFEST_NAME
 from service.settings import Settings
+from service.sharding import shard_dataset
 from tests.integration.conftest import Service
 
 # The fields of this module's `spec` (tests/integration/conftest.py) that differ from
@@ -248,3 +251,99 @@ def test_what_a_ray_function_cannot_honor_is_refused_by_name(service: Service, s
         key: value for key, value in function.items() if key not in ("dataset", "max_steps", "batch_size")
     }
     assert service.submit({**bare, "checkpoint": {"keep_last": 2}})["state"] == "queued"
+
+
+def manifest_dataset(folder: Path, *, age_s: float = 60) -> Path:
+    """A dataset of 2 shards written with its manifest (`apiary data shard`), the manifest `age_s` old."""
+    source = write_dataset(folder.parent / f"{folder.name}-source")
+    shard_dataset(source.as_uri(), folder.as_uri(), num_shards=2)
+    age(folder / MANIFEST_NAME, age_s)
+    return folder
+
+
+def age(path: Path, seconds: float) -> None:
+    when = time.time() - seconds
+    os.utime(path, (when, when))
+
+
+def test_a_dataset_is_listed_once_per_version_of_its_manifest_and_checked_again_when_it_changes(
+    service: Service,
+    spec: dict[str, Any],
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    listings: list[str] = []
+    real = allowlists.list_shards
+
+    def counted(uri: str, **options: Any) -> Any:
+        listings.append(uri)
+        return real(uri, **options)
+
+    monkeypatch.setattr(allowlists, "list_shards", counted)
+    dataset = manifest_dataset(tmp_path / "sharded")
+    job = {**spec, "dataset": {"uri": dataset.as_uri()}}
+
+    def answer() -> int:
+        return service.http.post("/jobs", json=job).status_code
+
+    assert [answer(), answer(), answer()] == [201, 201, 201]
+    assert len(listings) == 1  # the manifest did not change: listed once
+    shard = sorted(dataset.glob("*.parquet"))[0]
+    kept = shard.read_bytes()
+
+    # A shard gone or rewritten, the manifest as it was: refused, as a full check refuses it.
+    shard.unlink()
+    assert answer() == 422
+    shard.write_bytes(kept + b"x")
+    assert answer() == 422
+    shard.write_bytes(kept)
+    assert answer() == 201
+    # A shard replaced by a link out of the roots (same bytes): refused.
+    outside = tmp_path_factory.mktemp("elsewhere") / shard.name
+    outside.write_bytes(kept)
+    shard.unlink()
+    shard.symlink_to(outside)
+    assert "is not under a data root" in service.http.post("/jobs", json=job).json()["message"]
+    shard.unlink()
+    shard.write_bytes(kept)
+    assert answer() == 201
+    listed = len(listings)
+    assert answer() == 201 and len(listings) == listed  # remembered again
+
+    # The manifest rewritten (here: another format), even with its old mtime: listed again, refused.
+    manifest = dataset / MANIFEST_NAME
+    manifest.write_text(manifest.read_text().replace('"format": "parquet"', '"format": "webdataset"'))
+    age(manifest, 60)
+    refusal = service.http.post("/jobs", json=job)
+    assert refusal.status_code == 422 and "says format 'webdataset'" in refusal.text, refusal.text
+    assert len(listings) == listed + 1
+
+
+def test_a_manifest_written_a_moment_ago_is_not_remembered(
+    service: Service, spec: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A change within the same clock tick could keep the same mtime: a new manifest is listed each time.
+    listings: list[str] = []
+    real = allowlists.list_shards
+    monkeypatch.setattr(allowlists, "list_shards", lambda uri, **kw: listings.append(uri) or real(uri, **kw))
+    dataset = manifest_dataset(tmp_path / "fresh", age_s=0)
+    job = {**spec, "dataset": {"uri": dataset.as_uri()}}
+    assert [service.http.post("/jobs", json=job).status_code for _ in range(2)] == [201, 201]
+    assert len(listings) == 2
+    plain = write_dataset(tmp_path / "plain")  # no manifest: its listing is its only marker
+    job = {**spec, "dataset": {"uri": plain.as_uri()}}
+    assert [service.http.post("/jobs", json=job).status_code for _ in range(2)] == [201, 201]
+    assert len(listings) == 4
+
+
+def test_the_listing_cache_keeps_the_most_recently_used() -> None:
+    cache = allowlists.ListingCache(max_entries=2)
+    listing = allowlists._Listing(marker=(1,), files=("a",), sizes=None)
+    for key in ("x", "y"):
+        cache.put((key, "parquet", None), listing)
+    assert cache.get(("x", "parquet", None), (1,)) is listing  # x used: y is the oldest
+    cache.put(("z", "parquet", None), listing)
+    assert cache.get(("y", "parquet", None), (1,)) is None
+    assert cache.get(("x", "parquet", None), (1,)) is listing
+    assert cache.get(("x", "parquet", None), (2,)) is None  # another marker: not this listing
