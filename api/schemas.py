@@ -75,15 +75,21 @@ class JobPublic(BaseModel):
     failures: int = Field(
         description="Failures counted against the spec's max_failures: restarts, lost drivers and Ray jobs."
     )
+    # Defaults: a server from before the cost ledger sends none of these.
     resource_hours: float = Field(
-        description="GPU-hours its gang has held so far (CPU-hours for a job without GPUs)."
+        default=0.0, description="GPU-hours its gang has held so far (CPU-hours for a job without GPUs)."
     )
-    priced_hours: float = Field(description="The part of resource_hours that the price signal priced.")
+    priced_hours: float = Field(
+        default=0.0, description="The part of resource_hours that the price signal priced."
+    )
     cost: float = Field(
+        default=0.0,
         description="What those hours cost by the price signal: in its currency (cost_unit price) or kg "
-        "CO2e (cost_unit carbon)."
+        "CO2e (cost_unit carbon).",
     )
-    cost_unit: str | None = Field(description="price | carbon; null before its ledger first ran.")
+    cost_unit: str | None = Field(
+        default=None, description="price | carbon; null before its ledger first ran."
+    )
     created_at: UtcDatetime
     updated_at: UtcDatetime
     admitted_at: UtcDatetime | None
