@@ -294,6 +294,29 @@ class PlateauSpec(Strict):
         return self.window_steps // 10 if self.smoothing_steps is None else self.smoothing_steps
 
 
+MAX_PROFILE_STEPS = 50
+
+
+class ProfileSpec(Strict):
+    """Steps to run under `torch.profiler` on every rank: `start_step` .. `start_step + steps - 1`.
+
+    The traces go beside the checkpoints (`{storage}/job-N/profile/`), and their compute/communication
+    split is a `profile` event (`trainers.profiling`)."""
+
+    start_step: Int = Field(ge=1, le=MAX_INT, description="The first step profiled (steps count from 1).")
+    steps: Int = Field(
+        default=5,
+        ge=1,
+        le=MAX_PROFILE_STEPS,
+        description=f"How many steps are profiled (1..{MAX_PROFILE_STEPS}): a trace grows with every step.",
+    )
+
+    @property
+    def end_step(self) -> int:
+        """The last step profiled."""
+        return self.start_step + self.steps - 1
+
+
 class MLPConfig(Strict):
     """Hyperparameters of the built-in `mlp` trainer (rows: `features`, `label`)."""
 
@@ -512,6 +535,11 @@ class JobSpec(Strict):
         description="On a plateau: 'warn' records an anomaly event; 'stop' also stops the job with a "
         "checkpoint, and it ends succeeded with the reason (early stopping). Needs plateau.",
     )
+    profile: ProfileSpec | None = Field(
+        default=None,
+        description="Run torch.profiler on every rank for some steps: {start_step: N, steps: K} (recipes "
+        "and own loops); the traces are saved beside the checkpoints. None: off.",
+    )
     max_runtime_s: Float | None = Field(
         default=None,
         gt=0,
@@ -589,6 +617,17 @@ class JobSpec(Strict):
                 "no plateau could be found"
             )
         return plateau
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_within_the_run(cls, profile: ProfileSpec | None, info: ValidationInfo) -> ProfileSpec | None:
+        max_steps = info.data.get("max_steps")
+        if profile is not None and max_steps is not None and profile.end_step > max_steps:
+            raise ValueError(
+                f"steps {profile.start_step}-{profile.end_step} end past max_steps ({max_steps}): "
+                f"start_step must be <= {max(max_steps - profile.steps + 1, 1)} for {profile.steps} steps"
+            )
+        return profile
 
     @field_validator("on_plateau")
     @classmethod

@@ -189,6 +189,12 @@ def kind_refusal(spec: JobSpec, kind: TrainerKind | None, *, given: Set[str] = f
             getattr(spec, "eval", None) is not None,
             "eval runs in Apiary's own loop (recipes): report eval metrics yourself",
         ),
+        (
+            "profile",
+            getattr(spec, "profile", None) is not None,
+            "profile runs at Apiary's step boundary (recipes, own loops' ctx.report): in a Ray Train "
+            "function, run torch.profiler yourself",
+        ),
         ("checkpoint.every_steps", checkpoint.every_steps is not None, when),
         ("checkpoint.every_s", checkpoint.every_s is not None, when),
         ("checkpoint.auto", checkpoint.auto, when),

@@ -86,6 +86,8 @@ def test_the_gang_waits_until_it_fits_and_says_why(service: Service, spec: dict[
         ({"config": {"task": "classification"}}, "config", "num_classes"),
         ({"on_anomaly": "ignore"}, "on_anomaly", "'stop', 'rollback' or 'warn'"),
         ({"on_plateau": "stop"}, "on_plateau", "'stop' needs plateau"),
+        ({"profile": {"start_step": 2, "steps": 500}}, "profile.steps", "less than or equal to 50"),
+        ({"profile": {"start_step": 1000}}, "profile", "end past max_steps"),
     ],
 )
 def test_bad_specs_are_refused_with_422_naming_the_field_and_nothing_is_written(

@@ -82,6 +82,12 @@ def test_defaults_are_filled_and_builtin_config_is_completed() -> None:
         ({"plateau": {"window_steps": 5, "smoothing_steps": -1}}, "plateau.smoothing_steps"),
         ({"plateau": {"window_steps": 5, "metric": "bad name"}}, "plateau.metric"),
         ({"plateau": {"window_steps": 5, "patience": 3}}, "plateau.patience"),
+        ({"profile": {"steps": 2}}, "profile.start_step"),
+        ({"profile": {"start_step": 0}}, "profile.start_step"),
+        ({"profile": {"start_step": 2, "steps": 0}}, "profile.steps"),
+        ({"profile": {"start_step": 2, "steps": 51}}, "profile.steps"),
+        ({"profile": {"start_step": 10, "steps": 2}}, "profile"),  # max_steps is 10: step 11 never runs
+        ({"profile": {"start_step": 2, "every": 3}}, "profile.every"),
     ],
 )
 def test_bad_values_name_the_field(overrides: dict[str, Any], field: str) -> None:
@@ -207,3 +213,17 @@ def test_deferrable_takes_exactly_one_of_finish_by_and_within_h() -> None:
     assert within.deferrable is not None and within.deferrable.deadline(1000.0) == 1000.0 + 12 * 3600
     for bad in ({}, {"finish_by": 1798790400, "within_h": 1}, {"finish_by": "friday"}, {"within_h": 0}):
         assert error_fields(valid(deferrable=bad))[0].startswith("deferrable")
+
+
+def test_a_profile_window_is_off_unless_asked_and_must_fit_in_the_run() -> None:
+    assert JobSpec.model_validate(valid()).profile is None
+    spec = JobSpec.model_validate(valid(profile={"start_step": 6}))
+    assert spec.profile is not None and (spec.profile.start_step, spec.profile.end_step) == (6, 10)
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(valid(profile={"start_step": 8, "steps": 5}))
+    (error,) = info.value.errors()
+    assert error["loc"] == ("profile",)
+    assert "steps 8-12 end past max_steps (10): start_step must be <= 6 for 5 steps" in error["msg"]
+    # An own loop may run without max_steps: its window is its own to reach.
+    own = JobSpec.model_validate(valid(trainer="pkg.train:loop", max_steps=None, profile={"start_step": 99}))
+    assert own.profile is not None

@@ -152,6 +152,7 @@ def test_a_ray_function_with_the_defaults_is_accepted() -> None:
         ({"checkpoint": {"every_s": 60}}, "checkpoint.every_s"),
         ({"checkpoint": {"auto": True}}, "checkpoint.auto"),
         ({"checkpoint": {"async": False}}, "checkpoint.async"),
+        ({"profile": {"start_step": 1}}, "profile"),
     ],
 )
 def test_what_a_ray_function_cannot_honor_is_refused_by_name(fields: dict[str, Any], field: str) -> None:
@@ -173,7 +174,10 @@ def test_a_recipe_needs_its_data_steps_and_batch_size() -> None:
 
 def test_an_own_loop_honors_strategy_precision_and_checkpoints_not_anomalies_or_eval() -> None:
     honored = ray_function_spec(
-        strategy="fsdp", precision="bf16", checkpoint={"every_steps": 10, "auto": True}
+        strategy="fsdp",
+        precision="bf16",
+        checkpoint={"every_steps": 10, "auto": True},
+        profile={"start_step": 2},
     )
     assert kind_refusal(honored, TrainerKind.LOOP) is None
     refused = kind_refusal(ray_function_spec(on_anomaly="warn"), TrainerKind.LOOP)
