@@ -15,6 +15,7 @@ from service.contract.states import CheckpointState, JobState
 
 if TYPE_CHECKING:  # the SDK (api.client) reads these schemas without the database's modules
     from service.jobs import Comparison, QueueView
+    from service.profiles import Profile
     from service.store.models import ApiToken, Checkpoint, CodePackage, Job, JobEvent, Metric
     from service.sweeps import SweepView, Trial
 
@@ -191,6 +192,38 @@ class CheckpointPublic(BaseModel):
 class CheckpointsPublic(BaseModel):
     data: list[CheckpointPublic]
     count: int
+
+
+class TracePublic(BaseModel):
+    rank: int | None = Field(description="The rank whose trace it is (None: a file not named rank-R).")
+    name: str = Field(description="rank-R.pt.trace.json: a Chrome trace (TensorBoard's profiler, Perfetto).")
+    uri: str
+    size_bytes: int
+
+
+class ProfilePublic(BaseModel):
+    """One profiled window of a job (`JobSpec.profile`): its traces and its compute/communication split."""
+
+    run: str = Field(description="steps-A-B: the run TensorBoard's PyTorch Profiler tab lists.")
+    start_step: int
+    end_step: int
+    folder: str = Field(description="{storage}/job-N/profile/plugins/profile/steps-A-B (file:// or s3://).")
+    traces: list[TracePublic]
+    summary: dict[str, Any] | None = Field(
+        description="summary.json, written by rank 0: the split on average (compute_percent, "
+        "communication_percent, ...) and `per_rank` (window_s, compute_s, communication_s, overlap_s, "
+        "idle_s of each rank); None until written."
+    )
+
+    @classmethod
+    def build(cls, profile: Profile) -> ProfilePublic:
+        return cls.model_validate(profile, from_attributes=True)
+
+
+class ProfilesPublic(BaseModel):
+    data: list[ProfilePublic]
+    count: int
+    logdir: str = Field(description="The job's profile folder: `tensorboard --logdir` there shows them.")
 
 
 class Health(BaseModel):

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import auth, compare, logs, plateau, tracking
+from service import auth, compare, logs, plateau, profiles, tracking
 from service.allowlists import OwnPlaces, check_dataset, check_trainer
 from service.auth import User
 from service.capacity import ClusterSnapshot, capacity_text, fits_empty_cluster, gang_for
@@ -864,6 +864,17 @@ class JobService:
             for job_id in job_ids:
                 repository.get_job(session, job_id)
         return tracking.logdirs(self.settings, job_ids)
+
+    def list_profiles(self, job_id: int) -> list[profiles.Profile]:
+        """The job's profiles in storage (`service.profiles`); JobNotFound for an unknown job."""
+        with self.db.session() as session:
+            repository.get_job(session, job_id)
+        return profiles.list_profiles(
+            self.settings.resolved_storage_uri, job_id, s3_endpoint_url=self.settings.s3_endpoint_url
+        )
+
+    def profile_root(self, job_id: int) -> str:
+        return profiles.profile_root(self.settings.resolved_storage_uri, job_id)
 
     def list_checkpoints(self, job_id: int) -> list[Checkpoint]:
         with self.db.session() as session:

@@ -41,6 +41,8 @@ What each part does:
   checkpoint (`checkpoint.every_steps`, `every_s`, `auto`, `max_steps`) and whether to stop; a
   checkpoint is copied at the step and written in the background (`checkpoint.async`), recorded with
   the service (`keep_last`/`keep_best` apply), exactly as the built-in loop's.
+- With `spec.profile`, the step boundary also runs `torch.profiler` on every rank for those steps
+  (`trainers.profiling`): the traces go beside the checkpoints, the split into a `profile` event.
 - `should_stop()`: True from the report at which the ranks agreed to stop (the job was preempted or
   ran out of runtime); that step's checkpoint is then complete. Return from the function: the job is
   requeued and resumes from exactly there.
@@ -78,6 +80,7 @@ from trainers.data import DatasetInfo, RankBatches, iter_batches_for_rank
 from trainers.data_stream import Batch
 from trainers.loop_config import LoopConfig
 from trainers.parallel import autocast, parallelize, rank0_value
+from trainers.profiling import StepProfiler
 from trainers.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
@@ -121,6 +124,12 @@ class TrainContext:
         self._metrics: dict[str, float] = {}
         self._stop = False
         self._announced = False
+        profile = request.spec.profile
+        self._profiler = (
+            StepProfiler(profile, request=request, rank=rank, device=device, telemetry=telemetry)
+            if profile is not None
+            else None
+        )
 
     # -- what the job is -------------------------------------------------------------------------------
 
@@ -273,6 +282,8 @@ class TrainContext:
             seed_rank(self.spec.seed, rank=self.rank, step=0)
         self._parts = parts
         self._announce_start()
+        if self._profiler is not None:
+            self._profiler.at_restore(self._state.step)
         return self._state.step
 
     def roll_back(self) -> None:
@@ -324,6 +335,8 @@ class TrainContext:
         )
         if self._stop and self.rank == 0:
             logger.info("stopped at step %d with a checkpoint, as the control plane asked", step)
+        if self._profiler is not None:
+            self._profiler.at_step(step)
         self.telemetry.progress("compute", step=step)
 
     def should_stop(self) -> bool:
@@ -372,6 +385,8 @@ class TrainContext:
     def _finish(self) -> None:
         """The loop returned (on every rank): complete the checkpoint in flight, and save the last
         reported step unless a checkpoint holds it."""
+        if self._profiler is not None:
+            self._profiler.finish(self._state.step)  # a window the loop left before its end
         self.checkpointer.flush()
         parts, state = self._parts, self._state
         saved = self.checkpointer.started_step

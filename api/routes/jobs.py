@@ -20,6 +20,8 @@ from api.schemas import (
     JobUpdate,
     MetricPublic,
     MetricsPublic,
+    ProfilePublic,
+    ProfilesPublic,
     error_responses,
 )
 from service.contract.spec import MAX_INT, JobSpec
@@ -145,6 +147,18 @@ def list_checkpoints(job_id: JobId, jobs: JobsDep) -> CheckpointsPublic:
     and rank 0's step metrics; the job's `latest_checkpoint` is always kept."""
     checkpoints = jobs.list_checkpoints(job_id)
     return CheckpointsPublic(data=[CheckpointPublic.build(c) for c in checkpoints], count=len(checkpoints))
+
+
+@router.get("/{job_id}/profiles", response_model=ProfilesPublic, responses=error_responses(404, 422))
+def list_profiles(job_id: JobId, jobs: JobsDep) -> ProfilesPublic:
+    """The job's profiles (`profile: {start_step, steps}` in its spec), as its ranks saved them beside
+    its checkpoints: one Chrome trace per rank and the window's compute/communication split."""
+    found = jobs.list_profiles(job_id)
+    return ProfilesPublic(
+        data=[ProfilePublic.build(profile) for profile in found],
+        count=len(found),
+        logdir=jobs.profile_root(job_id),
+    )
 
 
 @router.get(

@@ -47,7 +47,7 @@ from api.deps import (
 )
 from api.limits import JobId
 from api.routes.compare import JOB_LIST_PATTERN, parse_job_list
-from api.schemas import CheckpointPublic, ComparePublic, EventPublic, JobPublic, SweepPublic
+from api.schemas import CheckpointPublic, ComparePublic, EventPublic, JobPublic, ProfilePublic, SweepPublic
 from service.auth import SESSION_TTL_S, Auth, User
 from service.contract.errors import Forbidden, InvalidSpec, Unauthenticated
 from service.contract.signal import job_cost_text
@@ -319,6 +319,11 @@ def job_page(
         "row": row,
         "ranks": ranks,
         "checkpoints": checkpoints,
+        # Listed from storage, once per page (not on the live part's refreshes), only when asked for.
+        "profiles": [ProfilePublic.build(found) for found in jobs.list_profiles(job_id)]
+        if public.spec.profile is not None and not part
+        else [],
+        "profile_root": jobs.profile_root(job_id),
         "events": events,
         "cursor": f"{event_id}.{metric_id}",
         "spec_json": json.dumps(public.spec.model_dump(mode="json"), indent=2),

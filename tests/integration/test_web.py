@@ -6,6 +6,7 @@ Playwright's own browser download cannot be reached from these machines; `.ci/ru
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import threading
@@ -15,10 +16,12 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 
 from service.cluster import RayJobStatus
+from service.contract.profiles import profile_folder, trace_name
 from tests.integration.conftest import Service
 from tests.support.jobs import classification_job
 
@@ -268,3 +271,67 @@ def test_the_job_page_charts_the_eval_loss_of_a_job_with_an_eval(
     expect_loss = page.locator("#loss-chart")
     playwright_api.expect(expect_loss).to_have_attribute("data-points", "30", timeout=15_000)
     page.screenshot(path=str(ARTIFACTS / "web-job-eval.png"), full_page=True)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_the_job_page_and_the_api_list_the_profiles_the_ranks_saved(
+    service: Service, page: Any, classification_dataset: str
+) -> None:
+    job = service.submit(
+        spec(classification_dataset, name="mlp-profile", profile={"start_step": 11, "steps": 5})
+    )
+    empty = service.http.get(f"/jobs/{job['id']}/profiles").json()
+    assert empty["count"] == 0 and empty["logdir"] == service.checkpoint_uri(job["id"], "profile")
+    page.goto(f"{service.http.base_url}/jobs/{job['id']}")
+    playwright_api.expect(page.locator("#profiles")).to_contain_text(
+        "No trace yet: the ranks save theirs after step 15"
+    )
+
+    # What the job's two ranks leave beside its checkpoints (trainers.profiling), in its storage.
+    folder = Path(
+        urlparse(
+            profile_folder(
+                storage_uri=service.runtime.settings.resolved_storage_uri,
+                run_name=f"job-{job['id']}",
+                start_step=11,
+                end_step=15,
+            )
+        ).path
+    )
+    folder.mkdir(parents=True)
+    for rank in (0, 1):
+        (folder / trace_name(rank)).write_text(
+            json.dumps({"traceEvents": [{"ph": "X", "name": "ProfilerStep#11"}]})
+        )
+    splits = [
+        {
+            "rank": rank,
+            "trace": trace_name(rank),
+            "window_s": 0.5,
+            "compute_s": 0.3,
+            "communication_s": 0.1 + 0.1 * rank,
+            "overlap_s": 0.05,
+            "idle_s": 0.1,
+        }
+        for rank in (0, 1)
+    ]
+    (folder / "summary.json").write_text(json.dumps({"start_step": 11, "end_step": 15, "per_rank": splits}))
+
+    found = service.http.get(f"/jobs/{job['id']}/profiles").json()
+    assert found["count"] == 1
+    (profile,) = found["data"]
+    assert (profile["run"], profile["start_step"], profile["end_step"]) == ("steps-11-15", 11, 15)
+    assert profile["folder"] == folder.as_uri()
+    assert [(t["rank"], t["name"], t["uri"]) for t in profile["traces"]] == [
+        (rank, f"rank-{rank}.pt.trace.json", f"{folder.as_uri()}/rank-{rank}.pt.trace.json")
+        for rank in (0, 1)
+    ]
+    assert profile["summary"]["per_rank"][1]["communication_s"] == 0.2
+    assert service.http.get("/jobs/999999/profiles").status_code == 404
+
+    page.goto(f"{service.http.base_url}/jobs/{job['id']}")
+    rows = page.locator("#profiles table.profile tbody tr")
+    playwright_api.expect(rows).to_have_count(2)
+    playwright_api.expect(rows.nth(0)).to_contain_text("rank-0.pt.trace.json")
+    playwright_api.expect(rows.nth(1)).to_contain_text("40%")  # rank 1's communication: 0.2 s of 0.5 s
+    page.screenshot(path=str(ARTIFACTS / "web-job-profiles.png"), full_page=True)
