@@ -16,12 +16,15 @@ from api.demo import token_table, write_shards
 from service.auth import User
 from service.contract.errors import DatasetError
 from service.contract.protocol import LAUNCH_ENV_VAR
-from service.contract.spec import JobSpec
+from service.contract.spec import JobSpec, ProfileSpec
 from service.contract.storage import list_shards, read_manifest, resolve_uri, validate_manifest
+from service.profiles import list_profiles
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
 from tests.conftest import S3
 from tests.support.fakes import FakeBackend
+from tests.support.jobs import make_request, make_spec
+from tests.support.profiling import profile_small_model
 from trainers.checkpoint import (
     TrainParts,
     TrainState,
@@ -165,3 +168,21 @@ def test_shard_to_s3_writes_a_manifest_that_validates_and_lists(s3: S3, tmp_path
     validate_manifest(manifest, uri=dest, s3_endpoint_url=s3.endpoint_url)
     files, _ = list_shards(dest, data_format="webdataset", s3_endpoint_url=s3.endpoint_url)
     assert [f.rsplit("/", 1)[-1] for f in files] == ["shard-00000.tar", "shard-00001.tar", "shard-00002.tar"]
+
+
+def test_a_profile_is_saved_to_s3_beside_the_checkpoints_and_listed_from_there(s3: S3) -> None:
+    spec = make_spec(trainer="mlp", dataset="file:///unused", config={"task": "regression"}, max_steps=5)
+    request = make_request(
+        spec, storage=s3.checkpoints_uri, run_name="job-7", s3_endpoint_url=s3.endpoint_url
+    )
+    ((kind, event),) = profile_small_model(request, ProfileSpec(start_step=1, steps=2), steps=3)
+    folder = f"{s3.checkpoints_uri}/job-7/profile/plugins/profile/steps-1-2"
+    assert kind == "profile" and event["folder"] == folder and event["traces"] == 1
+    (profile,) = list_profiles(s3.checkpoints_uri, 7, s3_endpoint_url=s3.endpoint_url)
+    assert profile.folder == folder and profile.summary is not None
+    (trace,) = profile.traces
+    assert (trace.rank, trace.uri) == (0, f"{folder}/rank-0.pt.trace.json") and trace.size_bytes > 0
+    path, filesystem = resolve_uri(trace.uri, s3_endpoint_url=s3.endpoint_url)
+    with filesystem.open_input_stream(path) as stream:
+        names = {event.get("name") for event in json.loads(stream.read())["traceEvents"]}
+    assert {"ProfilerStep#1", "ProfilerStep#2"} <= names

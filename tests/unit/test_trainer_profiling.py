@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from service.contract.profiles import profile_folder, trace_name
 from service.contract.spec import ProfileSpec
 from tests.support.jobs import make_request, make_spec
-from trainers.profiling import Split, StepProfiler, profile_event, summarize_trace
+from tests.support.profiling import profile_small_model
+from trainers.profiling import Split, profile_event, summarize_trace
 
 
 def op(name: str, ts: float, dur: float, *, cat: str = "cpu_op", tid: int = 1) -> dict[str, Any]:
@@ -88,25 +88,7 @@ def test_a_real_profile_of_a_few_steps_splits_and_saves_as_a_chrome_trace(tmp_pa
     """One process, no process group: the profiler, the step marks and the trace file are torch's own."""
     spec = make_spec(trainer="mlp", dataset="file:///d", config={"task": "regression"}, max_steps=10)
     request = make_request(spec, storage=tmp_path, run_name="job-3")
-    events: list[tuple[str, dict[str, Any]]] = []
-
-    class Telemetry:
-        def event(self, kind: str, *, step: int, message: str, **data: Any) -> None:
-            events.append((kind, {"step": step, "message": message, **data}))
-
-    profiler = StepProfiler(
-        ProfileSpec(start_step=2, steps=2),
-        request=request,
-        rank=0,
-        device=torch.device("cpu"),
-        telemetry=Telemetry(),  # type: ignore[arg-type]
-    )
-    model = torch.nn.Linear(16, 4)
-    profiler.at_restore(0)
-    for step in range(1, 6):
-        model(torch.randn(8, 16)).sum().backward()
-        profiler.at_step(step)
-        assert profiler.active == (step in (1, 2))
+    events = profile_small_model(request, ProfileSpec(start_step=2, steps=2), steps=5)
     folder = profile_folder(storage_uri=str(tmp_path), run_name="job-3", start_step=2, end_step=3)
     assert folder == (tmp_path / "job-3/profile/plugins/profile/steps-2-3").as_uri()
     trace = json.loads((tmp_path / "job-3/profile/plugins/profile/steps-2-3" / trace_name(0)).read_text())
