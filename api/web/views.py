@@ -323,7 +323,7 @@ def job_page(
         "profiles": [ProfilePublic.build(found) for found in jobs.list_profiles(job_id)]
         if public.spec.profile is not None and not part
         else [],
-        "profile_root": jobs.profile_root(job_id),
+        "profile_logdir": jobs.profile_root(job_id).removeprefix("file://"),  # TensorBoard takes a path
         "events": events,
         "cursor": f"{event_id}.{metric_id}",
         "spec_json": json.dumps(public.spec.model_dump(mode="json"), indent=2),

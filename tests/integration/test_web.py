@@ -334,4 +334,6 @@ def test_the_job_page_and_the_api_list_the_profiles_the_ranks_saved(
     playwright_api.expect(rows).to_have_count(2)
     playwright_api.expect(rows.nth(0)).to_contain_text("rank-0.pt.trace.json")
     playwright_api.expect(rows.nth(1)).to_contain_text("40%")  # rank 1's communication: 0.2 s of 0.5 s
+    logdir = folder.parents[2]  # {storage}/job-N/profile
+    playwright_api.expect(page.locator("#profiles h2")).to_contain_text(f"tensorboard --logdir {logdir}")
     page.screenshot(path=str(ARTIFACTS / "web-job-profiles.png"), full_page=True)
