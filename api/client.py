@@ -56,6 +56,7 @@ if TYPE_CHECKING:
         JobsPublic,
         MetricPublic,
         MetricsPublic,
+        ProfilesPublic,
         QueuePublic,
         SweepPublic,
         TokenCreated,
@@ -500,6 +501,10 @@ class ApiaryClient:
 
     def checkpoints(self, job_id: int) -> list[CheckpointPublic]:
         return self._get(f"/jobs/{job_id}/checkpoints", schemas.CheckpointsPublic).data
+
+    def profiles(self, job_id: int) -> ProfilesPublic:
+        """The job's profiles (`profile` in its spec): each one's folder, trace files and split."""
+        return self._get(f"/jobs/{job_id}/profiles", schemas.ProfilesPublic)
 
     def logs(
         self, job_id: int, *, attempt: int | None = None, tail: int | None = None, raw: bool = False

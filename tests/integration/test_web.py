@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from api.client import ApiaryClient
 from service.cluster import RayJobStatus
 from service.contract.profiles import profile_folder, trace_name
 from tests.integration.conftest import Service
@@ -328,6 +329,8 @@ def test_the_job_page_and_the_api_list_the_profiles_the_ranks_saved(
     ]
     assert profile["summary"]["per_rank"][1]["communication_s"] == 0.2
     assert service.http.get("/jobs/999999/profiles").status_code == 404
+    with ApiaryClient(str(service.http.base_url)) as client:  # the SDK reads the same answer
+        assert client.profiles(job["id"]).data[0].traces[1].name == "rank-1.pt.trace.json"
 
     page.goto(f"{service.http.base_url}/jobs/{job['id']}")
     rows = page.locator("#profiles table.profile tbody tr")
