@@ -10,7 +10,9 @@ fastest; wall time):
   top (the app, the server, the database, Ray's client, ...: `EAGER`), with this venv (everything
   installed); the baseline's own client cannot read today's server's jobs;
 - after, full venv: this checkout's CLI, with this venv;
-- after, client venv: `pip install apiary` with no extra, as a user has it (tests/support/client_venv.py).
+- after, client venv: `pip install apiary` with no extra, as a user has it (tests/support/client_venv.py);
+- with `--previous REV`, also REV's sources on that client venv (`PYTHONPATH`): a change measured
+  against the commit before it, in the same run.
 Sizes: the client venv on disk, against what `pip install apiary` installed before (the baseline's
 dependencies and theirs, as this venv holds them) and against this whole venv (`.[dev]`).
 Goal: both commands under 0.3 s.
@@ -164,6 +166,18 @@ def measure(variants: Variants, *, repeats: int, cwd: Path) -> Times:
     return times
 
 
+def sources_of(commit: str, folder: Path) -> Path:
+    """The Python packages of `commit`, extracted into `folder`."""
+    folder.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit, "apiary", "api", "service", "trainers"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
 def print_times(times: Times, variants: Variants) -> None:
     """Median wall and CPU time (user + system) of each; CPU time is what the machine's load changes least."""
     print(f"{'':22} {'--help wall':>12} {'cpu':>7} {'jobs wall':>10} {'cpu':>7}")
@@ -176,13 +190,17 @@ def print_times(times: Times, variants: Variants) -> None:
             )
         print(f"{name:22} {cells[0]:>20} {cells[1]:>18}")
     for what in ("--help", "jobs"):
-        before = [statistics.median(m[i] for m in times[("before", what)]) for i in (0, 1)]
         after = [statistics.median(m[i] for m in times[("after, client venv", what)]) for i in (0, 1)]
+        for name in variants:
+            if name.startswith("after"):
+                continue
+            other = [statistics.median(m[i] for m in times[(name, what)]) for i in (0, 1)]
+            print(
+                f"apiary {what}: {name} / after (client venv): wall {other[0] / after[0]:.2f}x, CPU "
+                f"{other[1] / after[1]:.2f}x"
+            )
         met = "met" if after[0] < GOAL_S else "NOT met"
-        print(
-            f"apiary {what}: before / after (client venv): wall {before[0] / after[0]:.1f}x, CPU "
-            f"{before[1] / after[1]:.1f}x; goal < {GOAL_S} s wall: {met}"
-        )
+        print(f"apiary {what}: goal < {GOAL_S} s wall (client venv): {met}")
 
 
 def print_sizes(client_venv: Path, *, baseline: str) -> None:
@@ -201,6 +219,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=15, help="rounds (each runs every variant once)")
     parser.add_argument("--baseline", default=BASELINE, help="the commit to compare with")
+    parser.add_argument("--previous", help="also time the client venv on this commit's sources")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="apiary-cli-startup-"))
@@ -222,6 +241,12 @@ def main() -> None:
                 # Not this checkout's sources: the venv's own Apiary.
                 "after, client venv": ([str(client_bin / "apiary")], {**env, "PYTHONPATH": ""}),
             }
+            if args.previous:
+                previous = sources_of(args.previous, workdir / "previous")
+                variants[f"{args.previous}, client venv"] = (
+                    [str(client_bin / "python"), "-c", ENTRY],
+                    {**env, "PYTHONPATH": str(previous)},
+                )
             times = measure(variants, repeats=args.repeats, cwd=workdir)
         finally:
             server.stop()
