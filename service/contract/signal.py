@@ -88,24 +88,36 @@ class Signal:
         """Every start and end, sorted: where the value may change."""
         return sorted({t for point in self.points for t in (point.start, point.end)})
 
-    @property
+    @cached_property
     def highest(self) -> float:
         return max((point.value for point in self.points), default=0.0)
 
     def integral(self, start: float, end: float) -> tuple[float, float]:
-        """(value x seconds, seconds known) over [start, end]: the known part only."""
-        total = known = 0.0
+        """(value x seconds, seconds known) over [start, end]: the known part only. O(log n): from
+        the running sums up to each end."""
         if end <= start:
-            return total, known
-        index = max(0, bisect.bisect_right(self.starts, start) - 1)
-        for point in self.points[index:]:
-            if point.start >= end:
-                break
-            overlap = min(end, point.end) - max(start, point.start)
-            if overlap > 0:
-                total += overlap * point.value
-                known += overlap
-        return total, known
+            return 0.0, 0.0
+        value_end, known_end = self._up_to(end)
+        value_start, known_start = self._up_to(start)
+        return value_end - value_start, known_end - known_start
+
+    @cached_property
+    def _sums(self) -> tuple[list[float], list[float]]:
+        """Value x seconds and seconds known before each interval's start."""
+        values, known = [0.0], [0.0]
+        for point in self.points:
+            values.append(values[-1] + (point.end - point.start) * point.value)
+            known.append(known[-1] + point.end - point.start)
+        return values, known
+
+    def _up_to(self, at: float) -> tuple[float, float]:
+        index = bisect.bisect_right(self.starts, at) - 1
+        if index < 0:
+            return 0.0, 0.0
+        point = self.points[index]
+        inside = min(at, point.end) - point.start
+        values, known = self._sums
+        return values[index] + inside * point.value, known[index] + inside
 
 
 def build_signal(rows: Sequence[tuple[Any, Any, Any]], *, source: str) -> Signal:

@@ -23,6 +23,7 @@ miss its deadline); a job whose last start has come is not deferred.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 
@@ -55,7 +56,10 @@ def cheapest_window(
     if last_start <= now:
         return None
     candidates = {now, last_start}
-    for boundary in signal.boundaries:
+    boundaries = signal.boundaries
+    # Only a boundary inside [now, last start + duration] can be a start or an end of a window.
+    low, high = bisect.bisect_right(boundaries, now), bisect.bisect_left(boundaries, last_start + duration_s)
+    for boundary in boundaries[low:high]:
         for start in (boundary, boundary - duration_s):
             if now < start < last_start:
                 candidates.add(start)
