@@ -142,6 +142,8 @@ class Decisions:
     foreign: Mapping[str, float] = field(default_factory=dict)  # what other Ray users hold (glossary)
     # Where each admitted gang was placed: a node index of the snapshot per bundle of `Gang.bundles()`.
     placements: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    # Why an admitted deferrable job starts now (rule 0), for the event of its admission.
+    deferral_notes: Mapping[int, str] = field(default_factory=dict)
 
 
 Policy = Callable[..., Decisions]
@@ -280,6 +282,7 @@ def decide(
         waiting=waiting,
         foreign=state.foreign_total,
         placements=state.placements,
+        deferral_notes={job_id: deferral_notes[job_id] for job_id in admitted if job_id in deferral_notes},
     )
 
 
@@ -298,8 +301,9 @@ class _Reserved:
 def _defer(
     queued: Sequence[Gang], deferral: Deferral, *, now: float
 ) -> tuple[list[Gang], dict[int, tuple[Gang, Window]], dict[int, str]]:
-    """Rule 0: the jobs that wait for their window, apart; the rest stay queued (with a note when a
-    deferrable job is not deferred for want of a signal or a duration)."""
+    """Rule 0: the jobs that wait for their window, apart; the rest stay queued, a deferrable one with a
+    note (its window or its last start has come, or it is not deferred for want of a signal or a
+    duration) that its waiting reason, or the event of its admission, carries."""
     line: list[Gang] = []
     deferred: dict[int, tuple[Gang, Window]] = {}
     notes: dict[int, str] = {}
@@ -323,8 +327,14 @@ def _defer(
             )
         if window is not None and window.start_at > now:
             deferred[gang.job_id] = (gang, window)
-        else:
-            line.append(gang)
+            continue
+        line.append(gang)
+        if deferral.signal is not None and duration_s is not None:
+            notes[gang.job_id] = (
+                "deferrable: its last start has come"
+                if window is None
+                else "deferrable: its cheaper window has come"
+            )
     return line, deferred, notes
 
 

@@ -659,7 +659,7 @@ class Scheduler:
         for victim in decisions.preempt:
             self._preempt(victim)
         for job_id in decisions.admit:
-            self._admit_one(job_id)
+            self._admit_one(job_id, note=decisions.deferral_notes.get(job_id))
         self._store_waiting(decisions, before=waiting_before, admitted=set(decisions.admit))
         return decisions
 
@@ -940,7 +940,7 @@ class Scheduler:
             if self._fenced(session):
                 repository.set_waiting(session, changes)
 
-    def _admit_one(self, job_id: int) -> None:
+    def _admit_one(self, job_id: int, *, note: str | None = None) -> None:
         with self.db.session() as session:
             if not self._fenced(session):
                 return
@@ -958,7 +958,8 @@ class Scheduler:
                 actor="scheduler",
                 # An elastic job is admitted on its min gang (service.scheduling.policy glossary: elastic
                 # gang).
-                reason=f"gang of {spec.min_workers} worker(s) fits; submitting attempt {attempt}",
+                reason=f"gang of {spec.min_workers} worker(s) fits; submitting attempt {attempt}"
+                + (f"; {note}" if note else ""),
                 attempt=attempt,
                 ray_submission_id=_submission_id(job.id, attempt),
                 queue_position=None,

@@ -84,6 +84,10 @@ def test_a_deferred_job_waits_for_the_cheap_window_or_its_last_start_and_costs_a
     assert service.job(within["id"])["state"] == "queued"
     service.tick(now + 2 * H)
     assert started(service, within["id"])  # at its window
+    for job, why in ((by, "its last start has come"), (within, "its cheaper window has come")):
+        events = service.http.get(f"/jobs/{job['id']}/events").json()["data"]
+        [admission] = [event for event in events if event["to_state"] == "admitted"]
+        assert admission["reason"].endswith(f"submitting attempt 1; deferrable: {why}"), admission
 
     # The plain job has held 2 CPU (1 worker, 1 for data) from `now` on: 2 h at 10, 1 h at 1.
     service.tick(now + 3 * H)

@@ -69,7 +69,9 @@ def test_it_starts_when_its_window_begins() -> None:
     signal = hourly(PRICES)
     gang = job(deadline=DAY + 40 * H, max_runtime_s=4 * H)
     assert run([gang], now=DAY + 26 * H - 1, deferral=Deferral(signal=signal)).admit == ()
-    assert run([gang], now=DAY + 26 * H, deferral=Deferral(signal=signal)).admit == (1,)
+    admitted = run([gang], now=DAY + 26 * H, deferral=Deferral(signal=signal))
+    assert admitted.admit == (1,)
+    assert admitted.deferral_notes == {1: "deferrable: its cheaper window has come"}
 
 
 def test_at_its_last_start_it_is_admitted_like_any_other_job() -> None:
@@ -82,7 +84,9 @@ def test_at_its_last_start_it_is_admitted_like_any_other_job() -> None:
     signal = hourly([5.0] * 20 + [4.0] * 28)
     held = run([gang], deferral=Deferral(signal=signal, margin_s=60))
     assert held.admit == () and "must start by 19:59 UTC" in held.waiting[1].reason
-    assert run([gang], now=deadline - 2 * H - 60, deferral=Deferral(signal=signal, margin_s=60)).admit == (1,)
+    admitted = run([gang], now=deadline - 2 * H - 60, deferral=Deferral(signal=signal, margin_s=60))
+    assert admitted.admit == (1,)
+    assert admitted.deferral_notes == {1: "deferrable: its last start has come"}
 
 
 def test_unpriced_hours_are_never_waited_for() -> None:
