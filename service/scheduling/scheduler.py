@@ -15,13 +15,15 @@ expiry, renewed every tick; another replica takes over once it expires):
    every queued job while checkpoint storage is a local path on more than one node; call the pure
    `policy.decide` (each queued job with history's estimate of its duration, each active job with its
    expected end: its measured pace, or history early on, never beyond its max_runtime_s;
-   service.scheduling.estimates and service.scheduling.history), then preempt (running -> preempting:
+   service.scheduling.estimates and service.scheduling.history; and the price signal, for which
+   deferrable jobs wait: service.scheduling.deferral), then preempt (running -> preempting:
    the trainers hear it in the reply to their next telemetry post, checkpoint at the next step
    boundary and exit), admit (commit `queued -> admitted` with a new attempt and Ray submission id
    BEFORE submitting, so a crash in between leaves a record the next reconcile repairs, never an
    untracked Ray job; after submitting it checks the row again and stops its submission if a replica
    that took the lease meanwhile requeued the job, so one attempt runs at a time), and store every
-   waiting job's position, reason and ETA (changed rows only, one statement);
+   waiting job's position, reason and ETA (changed rows only, one statement); the active jobs' cost
+   ledgers are brought up to date every LEDGER_EVERY_S (service.costs);
 4. retain: delete the checkpoints that the jobs' `checkpoint.keep_last`/`keep_best` let go, never the
    one a job resumes from (service.scheduling.retention; only jobs with new checkpoints or deletions to
    retry);
