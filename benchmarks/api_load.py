@@ -67,6 +67,7 @@ from service.auth import Auth  # noqa: E402
 from service.cluster import free_port  # noqa: E402
 from service.contract.spec import JobSpec  # noqa: E402
 from service.settings import Settings  # noqa: E402
+from service.sharding import shard_dataset  # noqa: E402
 from service.store.db import Database  # noqa: E402
 from service.store.models import IdempotencyKey, Job  # noqa: E402
 from tests.support.fakes import FakeBackend  # noqa: E402
@@ -156,13 +157,13 @@ def served(database_url: str, *, workdir: Path, kind: str, profile: Path | None)
     command = [sys.executable, __file__, kind, "--database-url", database_url, "--port", str(port)]
     if kind == "serve":
         command += ["--data-dir", str(workdir / f"data-{port}")]
-        if profile is not None:
-            profile.mkdir(parents=True, exist_ok=True)
-            stacks = profile / f"{make_url(database_url).get_backend_name()}-{port}.txt"
-            py_spy = str(Path(sys.executable).parent / "py-spy")
-            # Collapsed stacks of the thread holding the GIL (on 2 cores, the server's CPU is the limit).
-            options = ["--gil", "--format", "raw", "-r", "100", "-o", str(stacks)]
-            command = [py_spy, "record", *options, "--", *command]
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
+        stacks = profile / f"{make_url(database_url).get_backend_name()}-{kind}-{port}.txt"
+        py_spy = str(Path(sys.executable).parent / "py-spy")
+        # Collapsed stacks of the thread holding the GIL (on 2 cores, the server's CPU is the limit).
+        options = ["--gil", "--format", "raw", "-r", "100", "-o", str(stacks)]
+        command = [py_spy, "record", *options, "--", *command]
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -184,7 +185,7 @@ def served(database_url: str, *, workdir: Path, kind: str, profile: Path | None)
         yield url
     finally:
         # py-spy writes its stacks when its child ends (SIGINT: it stops the child first).
-        process.send_signal(signal.SIGINT if profile is not None and kind == "serve" else signal.SIGTERM)
+        process.send_signal(signal.SIGINT if profile is not None else signal.SIGTERM)
         try:
             process.wait(60)
         except subprocess.TimeoutExpired:
@@ -509,8 +510,10 @@ def write_dataset(uri_dir: Path) -> str:
             "label": pa.array(rng.integers(0, 3, size=64), pa.int64()),
         }
     )
-    uri_dir.mkdir(parents=True)
-    pq.write_table(table, uri_dir / "shard-00000.parquet")
+    source = uri_dir.parent / f"{uri_dir.name}-source.parquet"
+    pq.write_table(table, source)
+    # With a manifest, as `apiary data shard` writes a dataset.
+    shard_dataset(str(source), uri_dir.as_uri(), num_shards=2)
     return uri_dir.as_uri()
 
 
@@ -547,8 +550,8 @@ def main() -> None:
         "--profile",
         type=Path,
         default=None,
-        help="run Apiary's server under py-spy (the thread holding the GIL, 100 samples/s) and write its "
-        "collapsed stacks (py-spy's raw format: a flame graph's input) per database into this folder",
+        help="run each server under py-spy (the thread holding the GIL, 100 samples/s) and write its "
+        "collapsed stacks (py-spy's raw format: a flame graph's input) into this folder",
     )
     args = parser.parse_args()
     ok = True

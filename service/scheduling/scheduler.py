@@ -97,7 +97,7 @@ LEASE = "scheduler"
 # The least time between the end of a pass and a pass that a wake asks for, and that time as a multiple
 # of the pass's own (Scheduler._wake_gap_s).
 WAKE_GAP_S = 0.25
-WAKE_GAP_FACTOR = 3.0
+WAKE_GAP_FACTOR = 9.0
 
 
 class _Facts(NamedTuple):
@@ -230,8 +230,8 @@ class Scheduler:
     def _wake_gap_s(self, pass_s: float) -> float:
         """How long after a pass a wake (a submission) may start the next one. A burst of submissions
         wakes the loop once each, and one pass serves every job queued before it: passes woken back to
-        back are spaced, so that they take at most a quarter of the time the burst's writes compete
-        with, and never wait longer than the interval would have."""
+        back are spaced, so that they take at most a tenth of the time the burst's writes compete with,
+        and never wait longer than the interval would have."""
         return min(max(WAKE_GAP_S, WAKE_GAP_FACTOR * pass_s), self.settings.scheduler_interval_s)
 
     def tick(self, now: float | None = None) -> None:
