@@ -84,7 +84,7 @@ class Runtime:
         # The data dir holds the database, Ray's token and logs, checkpoints: its owner's alone.
         self.settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.settings.data_dir.chmod(0o700)
-        self.db = Database(self.settings.resolved_database_url)
+        self.db = Database(self.settings.resolved_database_url, pool_size=self.settings.database_pool_size)
         self.db.wait(self.settings.database_wait_s)
         if self.settings.migrate_on_start:
             self.db.upgrade()

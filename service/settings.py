@@ -36,6 +36,14 @@ class Settings(BaseSettings):
 
     data_dir: Path = Field(default=Path("./.apiary"), description="Everything local Apiary writes.")
     database_url: str | None = Field(default=None, description="Default: sqlite:///{data_dir}/apiary.db")
+    database_pool_size: int = Field(
+        default=30,
+        ge=1,
+        le=1000,
+        description="PostgreSQL connections this service keeps open (plus up to 10 more at a peak): about "
+        "one per request thread (40), so that a burst of requests does not queue for connections. "
+        "Replicas x (this + 10) must stay under the server's max_connections.",
+    )
     database_wait_s: float = Field(
         default=60.0,
         ge=0,

@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 MIGRATIONS_DIR = Path(migrations.__file__).parent
 
 
-def build_engine(url: str) -> Engine:
+def build_engine(url: str, *, pool_size: int = 5) -> Engine:
+    """An engine for `url`; on PostgreSQL, a pool of `pool_size` connections (and 10 more at a peak)."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
@@ -36,7 +37,7 @@ def build_engine(url: str) -> Engine:
         return engine
     if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
         url = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
-    return create_engine(url, pool_pre_ping=True)
+    return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=10)
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -85,9 +86,9 @@ def require_head(engine: Engine) -> None:
 
 
 class Database:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, pool_size: int = 5) -> None:
         self.url = url
-        self.engine = build_engine(url)
+        self.engine = build_engine(url, pool_size=pool_size)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @contextmanager

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from service.contract.errors import DatabaseUnavailable
 from service.runtime import Runtime
 from service.settings import Settings
 from service.store.db import Database
+from tests.integration.conftest import Service
 from tests.support.fakes import FakeBackend
 from tests.support.proxy import TcpProxy
 from tests.support.wait import wait_until
@@ -129,3 +130,13 @@ def test_the_service_waits_for_a_database_that_is_not_up_yet(proxied: tuple[str,
         database.upgrade()
     finally:
         database.dispose()
+
+
+def test_the_postgresql_pool_holds_the_configured_connections(
+    start_service: Callable[..., Service], database_url: str
+) -> None:
+    service = start_service(database_pool_size=12)
+    assert service.runtime.db is not None
+    pool = service.runtime.db.engine.pool
+    # PostgreSQL: a connection per request thread, so that a burst does not queue for one; SQLite as is.
+    assert pool.size() == (12 if database_url.startswith("postgresql") else 5)  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ from service.contract.protocol import code_modules
 from service.scheduling.scheduler import WAKE_GAP_S, Scheduler
 from service.store import repository
 from tests.integration.conftest import Service
+from tests.support.wait import wait_until
 
 # Two equal shares of one 8-CPU node; nothing protected by a minimum runtime.
 EVEN = {
@@ -172,31 +173,25 @@ def test_a_burst_of_wakes_is_served_by_spaced_passes_and_a_lone_wake_at_once(ser
     scheduler.tick = recorded  # type: ignore[method-assign]
     scheduler.start()
     try:
-        wait_until(lambda: len(passes) == 1)
-        time.sleep(WAKE_GAP_S + 0.1)
+        wait_until(lambda: len(passes) == 1, timeout_s=4, interval_s=0.01)
+        first_start, first_end = passes[0]
+        time.sleep(scheduler._wake_gap_s(first_end - first_start) + 0.1)  # quiet since the last pass
         woken = time.monotonic()
         scheduler.wake()  # after a quiet while: a pass at once, not after the 5 s interval
-        wait_until(lambda: len(passes) == 2)
+        wait_until(lambda: len(passes) == 2, timeout_s=4, interval_s=0.01)
         assert passes[1][0] - woken < 1.0
         burst_started = time.monotonic()
         for _ in range(20):  # a burst of submissions, each waking the loop
             scheduler.wake()
             time.sleep(0.02)
         last_wake = time.monotonic()
-        wait_until(lambda: passes[-1][0] > last_wake)  # the last wake is served too
+        wait_until(lambda: passes[-1][0] > last_wake, timeout_s=4, interval_s=0.01)  # the last wake is served
         during = [start for start, _ in passes[2:] if start >= burst_started]
         assert len(during) <= (last_wake - burst_started) / WAKE_GAP_S + 2, passes
         for (_, previous_end), (start, _) in pairwise(passes):
             assert start - previous_end >= WAKE_GAP_S - 0.01, passes
     finally:
         scheduler.stop()
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 4.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "not within the time"
-        time.sleep(0.01)
 
 
 def test_one_replica_schedules_at_a_time_and_another_takes_over_when_its_lease_runs_out(
