@@ -248,11 +248,35 @@ def simulate(
         str | None,
         typer.Option(help="With --from-db: the jobs submitted within this span before now [default: 14d]."),
     ] = None,
+    signal: Annotated[
+        Path | None,
+        typer.Option(
+            help="A price or carbon signal CSV (start,end,value; APIARY_PRICE_SIGNAL's format): price "
+            "every held hour, and let deferrable jobs wait for cheaper hours. The trace's time 0 is its "
+            "first start."
+        ),
+    ] = None,
+    signal_unit: Annotated[
+        str, typer.Option(help="price or carbon (gCO2e/kWh: costs in kg CO2e).")
+    ] = "price",
+    defer: Annotated[bool, typer.Option(help="With --signal: rule 0 (deferral) on, or off.")] = True,
+    deferrable_share: Annotated[
+        float, typer.Option(help="Share of research jobs marked deferrable: {within_h: --within-h} (seeded).")
+    ] = 0.0,
+    within_h: Annotated[
+        float, typer.Option(help="The deferrable jobs' deadline, hours after submission.")
+    ] = 12.0,
+    spot_share: Annotated[float, typer.Option(help="Share of the nodes that are spot nodes.")] = 0.0,
+    spot_rate: Annotated[float, typer.Option(help="Interruptions per spot node-hour (Poisson).")] = 0.0,
+    spot_notice_s: Annotated[
+        float, typer.Option(help="The notice before a spot node goes (0: none; seconds).")
+    ] = 0.0,
 ) -> None:
     """Replay a job trace, or the service's own finished jobs (--from-db), through a scheduling policy
     in simulated time (no Ray), or generate a trace: most jobs small and short, a few large and long,
     bursty daily arrivals."""
     from service.contract.queues import load
+    from service.costs import Rates, read_signal
     from service.scheduling import simulate as sim
 
     if generate is not None:
@@ -266,8 +290,21 @@ def simulate(
         _usage_error("give a TRACE.csv or --from-db, not both")
     if policy not in sim.POLICIES:
         _usage_error(f"--policy must be one of {', '.join(sim.POLICIES)}, got {policy!r}")
+    if signal_unit not in ("price", "carbon"):
+        _usage_error(f"--signal-unit must be price or carbon, got {signal_unit!r}")
+    if signal is None and (deferrable_share or not defer):
+        _usage_error("--deferrable-share and --no-defer go with --signal")
     replayed = None
     try:
+        pricing = sim.SimPricing(
+            signal=None if signal is None else read_signal(str(signal), timeout_s=0),
+            rates=Rates(unit="carbon" if signal_unit == "carbon" else "price"),
+            defer=defer,
+            deferrable_share=deferrable_share,
+            within_h=within_h,
+            seed=seed,
+        )
+        spot = sim.SimSpot(share=spot_share, rate_per_node_h=spot_rate, notice_s=spot_notice_s, seed=seed)
         resources = sim.parse_node(node)
         queues = load(queues_file)
         if trace is not None:
@@ -280,7 +317,9 @@ def simulate(
             queues = queues if queues_file is not None else service_queues
     except (OSError, ValueError) as err:
         _usage_error(one_line(err))
-    result = sim.simulate(jobs, nodes=nodes, node=resources, policy=policy, queues=queues)
+    result = sim.simulate(
+        jobs, nodes=nodes, node=resources, policy=policy, queues=queues, pricing=pricing, spot=spot
+    )
     if as_json:
         out = result.to_json()
         if replayed is not None:
@@ -294,6 +333,18 @@ def simulate(
         f"{result.lost_gpu_hours:.1f} GPU-hours ({result.lost_work_s / 3600:.1f} job-hours); "
         f"{result.unfinished} job(s) could never run; makespan {_duration(result.makespan_s)}"
     )
+    if signal is not None:
+        unit = "kg CO2e" if result.cost_unit == "carbon" else "cost"
+        console.print(
+            f"{unit} {result.cost:.4g} over {result.priced_hours:.1f} priced GPU-hours; "
+            f"{result.deferrable} deferrable job(s), {result.deferred} waited for a cheaper window, "
+            f"{result.deadlines_missed} missed their deadline"
+        )
+    if spot_share:
+        console.print(
+            f"{result.spot_nodes} spot node(s): {result.interruptions} interruption(s) losing "
+            f"{result.interrupt_lost_gpu_hours:.2f} GPU-hours of progress (notice {spot_notice_s:g} s)"
+        )
     if replayed is not None:
         real = replayed.observed
         console.print(_wait_table(f"what really happened: {real.jobs} jobs", real))

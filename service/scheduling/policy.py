@@ -144,6 +144,8 @@ class Decisions:
     placements: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     # Why an admitted deferrable job starts now (rule 0), for the event of its admission.
     deferral_notes: Mapping[int, str] = field(default_factory=dict)
+    # When each job that waits for its cheaper window (rule 0) sees it begin (the simulator wakes then).
+    deferred_until: Mapping[int, float] = field(default_factory=dict)
 
 
 Policy = Callable[..., Decisions]
@@ -283,6 +285,7 @@ def decide(
         foreign=state.foreign_total,
         placements=state.placements,
         deferral_notes={job_id: deferral_notes[job_id] for job_id in admitted if job_id in deferral_notes},
+        deferred_until={job_id: window.start_at for job_id, (_, window) in deferred.items()},
     )
 
 

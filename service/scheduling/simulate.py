@@ -41,6 +41,9 @@ import numpy as np
 
 from service.capacity import ClusterSnapshot, Gang, NodeCapacity, fits_empty_cluster
 from service.contract.queues import DEFAULT_QUEUES, QueuesConfig
+from service.contract.signal import Point, Signal
+from service.costs import Rates, accrue
+from service.scheduling.deferral import Deferral
 from service.scheduling.estimates import SIZE_CLASSES, History, pace_error, simulated_remaining_s, size_class
 from service.scheduling.policy import POLICIES as BASE_POLICIES
 from service.scheduling.policy import RULES, Policy, Rules, decayed_usage, dominant_share
@@ -59,7 +62,7 @@ COLUMNS = (
     "checkpoint_every_s",
     "max_runtime_s",
 )
-END, STOP, ARRIVAL = 0, 1, 2
+END, STOP, ARRIVAL, WAKE, SPOT = 0, 1, 2, 3, 4
 
 
 # The policies the simulator runs: the live two-queue policy, the baselines and share-first.
@@ -259,6 +262,64 @@ class SimCosts:
 COSTS = SimCosts()
 
 
+@dataclass(frozen=True, kw_only=True)
+class SimPricing:
+    """What the simulation prices, and which jobs may wait for cheaper hours."""
+
+    # The price or carbon signal (`service.contract.signal`), in its own (Unix) times; None: no cost.
+    signal: Signal | None = None
+    # The trace's time 0 as a Unix time; None: the signal's first start.
+    start_at: float | None = None
+    rates: Rates = field(default_factory=Rates)
+    # Rule 0 of `decide` on (the service with APIARY_PRICE_SIGNAL) or off (the same jobs, not deferred).
+    defer: bool = True
+    # This share of research jobs, drawn with `seed`, is `deferrable: {within_h: within_h}`.
+    deferrable_share: float = 0.0
+    within_h: float = 12.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.deferrable_share <= 1:
+            raise ValueError(f"--deferrable-share must be in [0, 1], got {self.deferrable_share:g}")
+        if not (math.isfinite(self.within_h) and self.within_h > 0):
+            raise ValueError(f"--within-h must be a number > 0, got {self.within_h:g}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimSpot:
+    """Spot nodes: a share of the nodes, each interrupted by a Poisson process.
+
+    At an interruption every job with a worker on the node stops and is requeued. With a notice at
+    least as long as `SimCosts.checkpoint_s`, it checkpoints at its next step boundary (a step is
+    taken as short against the checkpoint interval: it keeps its progress) and stops after the
+    checkpoint; with a shorter notice (0: none) it keeps only its last periodic checkpoint and holds
+    the node until it goes. The node is replaced at once (capacity stays constant): what this
+    measures is the work lost, not the capacity."""
+
+    share: float = 0.0
+    rate_per_node_h: float = 0.0  # interruptions per spot node-hour
+    notice_s: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.share <= 1:
+            raise ValueError(f"--spot-share must be in [0, 1], got {self.share:g}")
+        if not (math.isfinite(self.rate_per_node_h) and 0 <= self.rate_per_node_h <= 10):
+            raise ValueError(f"--spot-rate must be in [0, 10] per node-hour, got {self.rate_per_node_h:g}")
+        if not (math.isfinite(self.notice_s) and 0 <= self.notice_s <= 3600):
+            raise ValueError(f"--spot-notice-s must be in [0, 3600], got {self.notice_s:g}")
+
+
+NO_PRICING = SimPricing()
+NO_SPOT = SimSpot()
+
+
+def in_trace_time(signal: Signal, *, start_at: float | None) -> Signal:
+    """The signal shifted so that `start_at` (default: its first start) is the trace's time 0."""
+    offset = start_at if start_at is not None else (signal.points[0].start if signal.points else 0.0)
+    return Signal(points=tuple(Point(p.start - offset, p.end - offset, p.value) for p in signal.points))
+
+
 class InvariantError(AssertionError):
     """The simulation broke one of its invariants (a bug, never bad input)."""
 
@@ -286,6 +347,13 @@ class _Run:
     queued_s: float = 0.0  # every second spent waiting, before the first start and after preemptions
     queued_since: float | None = None
     version: int = 0  # bumped on each start, so stale events are recognised
+    deadline: float | None = None  # a deferrable job's
+    deferred: bool = False  # it waited for a cheaper window at least once
+    interrupted: bool = False  # the current stop is a spot interruption
+    interrupt_lost_s: float = 0.0  # progress discarded by interruptions
+    interruptions: int = 0
+    cost: float = 0.0
+    priced_h: float = 0.0  # resource-hours the signal priced
 
     def progress(self, now: float) -> float:
         if self.started_at is None:
@@ -334,6 +402,17 @@ class SimResult:
     refused: int = 0  # jobs the queues' limits refuse at submission (too many workers, too long)
     cut_at_limit: int = 0  # jobs stopped at their max_runtime_s (declared, else the queue's default)
     rules: dict[str, bool] = field(default_factory=dict)
+    # Money and carbon (SimPricing, SimSpot): cost in the signal's unit over every held hour.
+    cost: float = 0.0
+    cost_unit: str = "price"
+    priced_hours: float = 0.0  # GPU-hours (CPU-hours without GPUs) the signal priced
+    deferrable: int = 0
+    deferred: int = 0  # deferrable jobs that waited for a cheaper window
+    deadlines_missed: int = 0  # deferrable jobs that ended after their deadline (or never)
+    deferrable_wait: WaitStats | None = None
+    spot_nodes: int = 0
+    interruptions: int = 0  # runs stopped by a spot interruption
+    interrupt_lost_gpu_hours: float = 0.0  # progress those interruptions discarded
 
     def to_json(self) -> dict[str, Any]:
         def stats(value: WaitStats) -> dict[str, Any]:
@@ -354,6 +433,16 @@ class SimResult:
             "makespan_s": round(self.makespan_s, 1),
             "decisions": self.decisions,
             "rules": self.rules,
+            "cost": round(self.cost, 4),
+            "cost_unit": self.cost_unit,
+            "priced_hours": round(self.priced_hours, 2),
+            "deferrable": self.deferrable,
+            "deferred": self.deferred,
+            "deadlines_missed": self.deadlines_missed,
+            "deferrable_wait": None if self.deferrable_wait is None else stats(self.deferrable_wait),
+            "spot_nodes": self.spot_nodes,
+            "interruptions": self.interruptions,
+            "interrupt_lost_gpu_hours": round(self.interrupt_lost_gpu_hours, 3),
             "queues": {
                 name: {
                     **stats(value.wait),
@@ -389,13 +478,20 @@ def simulate(
     queues: QueuesConfig = DEFAULT_QUEUES,
     rules: Rules = RULES,
     costs: SimCosts = COSTS,
+    pricing: SimPricing = NO_PRICING,
+    spot: SimSpot = NO_SPOT,
     check: bool = False,
 ) -> SimResult:
     """Run `jobs` on `nodes` x `node` through `policy` until every job that can ever run has finished.
 
     The policy knows what the live service knows: history's estimate of a queued job's duration, a
     running job's remaining time from its (erring) pace, and where gangs are placed. With `check`,
-    the invariants are verified at every event (`InvariantError`)."""
+    the invariants are verified at every event (`InvariantError`).
+
+    With `pricing`, every held hour is priced by its signal, and deferrable jobs wait for their
+    cheaper window by `decide`'s rule 0, from the same duration the service would use (max_runtime_s,
+    else history's estimate), never the true one; only the two-queue policy has rule 0. With `spot`,
+    some nodes are interrupted (`SimSpot`)."""
     decide = POLICIES[policy]
     check_jobs(jobs)
     cluster = node_cluster(nodes, node)
@@ -403,15 +499,27 @@ def simulate(
     busy_key = "GPU" if totals.get("GPU") else "CPU"
     runs: dict[int, _Run] = {}
     refused = 0
-    for job in jobs:
+    signal = None if pricing.signal is None else in_trace_time(pricing.signal, start_at=pricing.start_at)
+    deferral = Deferral(signal=signal) if signal is not None and pricing.defer else None
+    marks = np.random.default_rng([pricing.seed, 1]).random(len(jobs))
+    for index, job in enumerate(jobs):
         why, limit = limits(job, queues)
         if why is not None:
             refused += 1
             continue
-        gang = replace(job.gang(), max_runtime_s=limit)
+        deadline = (
+            job.submit_s + pricing.within_h * 3600
+            if job.queue == "research" and marks[index] < pricing.deferrable_share
+            else None
+        )
+        gang = replace(job.gang(), max_runtime_s=limit, deadline=deadline)
         work_s = min(job.duration_s, limit) if limit is not None else job.duration_s
         runs[job.job_id] = _Run(
-            job=job, gang=gang, work_s=work_s, error=pace_error(job.job_id, seed=costs.seed)
+            job=job,
+            gang=gang,
+            work_s=work_s,
+            error=pace_error(job.job_id, seed=costs.seed),
+            deadline=deadline,
         )
     cut_at_limit = sum(1 for run in runs.values() if run.work_s < run.job.duration_s)
     # A job that could never fit the empty cluster never runs: counted as unfinished.
@@ -420,6 +528,20 @@ def simulate(
     events: list[tuple[float, int, int, int]] = []
     for job_id in runnable:
         heapq.heappush(events, (runs[job_id].job.submit_s, ARRIVAL, job_id, 0))
+    arrivals_left = len(runnable)
+    wakes: set[float] = set()
+    spot_rng = np.random.default_rng([spot.seed, 2])
+    spot_count = round(spot.share * nodes)
+    spot_nodes = sorted(int(i) for i in spot_rng.permutation(nodes)[:spot_count])
+    interruptions = 0
+
+    def next_interruption(node_index: int, after: float) -> None:
+        if spot.rate_per_node_h > 0:
+            at = after + float(spot_rng.exponential(3600 / spot.rate_per_node_h))
+            heapq.heappush(events, (at, SPOT, node_index, 0))
+
+    for node_index in spot_nodes:
+        next_interruption(node_index, min((job.submit_s for job in jobs), default=0.0))
     waiting: dict[int, _Run] = {}
     running: dict[int, _Run] = {}
     usage: dict[str, float] = {}
@@ -456,7 +578,30 @@ def simulate(
     def stop(run: _Run, now: float) -> None:
         assert run.started_at is not None
         run.held_s += now - run.started_at
+        if signal is not None:
+            accrued = accrue(
+                signal, resources=run.gang.total(), start=run.started_at, end=now, rates=pricing.rates
+            )
+            run.cost += accrued.cost
+            run.priced_h += accrued.priced_hours
         run.started_at = run.frozen_at = run.stop_at = None
+
+    def interrupt(run: _Run, now: float) -> None:
+        """Its node goes (`SimSpot`): what it keeps, and when it stops."""
+        assert run.started_at is not None
+        progress = run.progress(now)
+        every = run.job.checkpoint_every_s
+        saved = max(run.done_s, math.floor(progress / every + 1e-9) * every)
+        if now < run.started_at + run.resume_s:
+            run.keep_s, run.stop_at = run.done_s, now  # still restarting: nothing to save
+        elif spot.notice_s >= costs.checkpoint_s:
+            run.keep_s, run.frozen_at, run.stop_at = progress, now, now + costs.checkpoint_s
+        else:
+            run.keep_s, run.frozen_at, run.stop_at = saved, now, now + spot.notice_s
+        run.keep_s = min(run.keep_s, progress)
+        run.interrupted = True
+        run.interrupt_lost_s += progress - run.keep_s
+        heapq.heappush(events, (run.stop_at, STOP, run.job.job_id, run.version))
 
     while events:
         now = events[0][0]
@@ -479,8 +624,18 @@ def simulate(
         clock = now
         while events and events[0][0] <= now:
             _, kind, job_id, version = heapq.heappop(events)
+            if kind == WAKE:
+                wakes.discard(now)
+                continue
+            if kind == SPOT:  # job_id is the node's index
+                for hit in [other for other in running.values() if job_id in other.placement]:
+                    interrupt(hit, now)
+                if arrivals_left or running or waiting:
+                    next_interruption(job_id, now)
+                continue
             run = runs[job_id]
             if kind == ARRIVAL:
+                arrivals_left -= 1
                 waiting[job_id] = run
                 run.queued_since = now
             elif job_id in running and version == run.version:
@@ -499,8 +654,13 @@ def simulate(
                     running.pop(job_id)
                     run.done_s = run.keep_s
                     stop(run, now)
-                    preemptions += 1
-                    run.preemptions += 1
+                    if run.interrupted:
+                        interruptions += 1
+                        run.interruptions += 1
+                        run.interrupted = False
+                    else:
+                        preemptions += 1
+                        run.preemptions += 1
                     run.queued_since = now
                     waiting[job_id] = run
         if check:
@@ -517,12 +677,18 @@ def simulate(
             usage=usage,
             rules=rules,
             explain=False,
+            deferral=deferral,
         )
         decisions += 1
+        for job_id, start_at in result.deferred_until.items():
+            runs[job_id].deferred = True
+            if start_at > now and start_at not in wakes:
+                wakes.add(start_at)
+                heapq.heappush(events, (start_at, WAKE, 0, 0))
         for victim in result.preempt:
             run = running[victim.job_id]
             if run.stop_at is not None:
-                continue  # already stopping
+                continue  # already stopping (preempted, or its node is going)
             assert run.started_at is not None
             progress = run.progress(now)
             if now < run.started_at + run.resume_s:
@@ -565,6 +731,16 @@ def simulate(
         refused=refused,
         cut_at_limit=cut_at_limit,
     )
+    summary = _priced(summary, runs, pricing=pricing, busy_key=busy_key)
+    summary = replace(
+        summary,
+        spot_nodes=len(spot_nodes),
+        interruptions=interruptions,
+        interrupt_lost_gpu_hours=sum(
+            run.interrupt_lost_s * run.gang.totals.get("GPU", 0.0) for run in runs.values()
+        )
+        / 3600,
+    )
     if check:
         useful = sum(
             run.work_s * run.gang.totals.get(busy_key, 0.0) for run in runs.values() if run.finished_at
@@ -573,6 +749,26 @@ def simulate(
         if not math.isclose(busy_s, useful + lost, rel_tol=1e-9, abs_tol=1e-3):
             raise InvariantError(f"busy {busy_s} != useful {useful} + lost {lost}")
     return summary
+
+
+def _priced(result: SimResult, runs: Mapping[int, _Run], *, pricing: SimPricing, busy_key: str) -> SimResult:
+    """The result with its cost and its deferrable jobs' deadlines and waits."""
+    deferrable = [run for run in runs.values() if run.deadline is not None]
+    missed = sum(
+        1
+        for run in deferrable
+        if run.deadline is not None and (run.finished_at is None or run.finished_at > run.deadline + 1e-6)
+    )
+    return replace(
+        result,
+        cost=sum(run.cost for run in runs.values()),
+        cost_unit=pricing.rates.unit,
+        priced_hours=sum(run.priced_h for run in runs.values()),
+        deferrable=len(deferrable),
+        deferred=sum(1 for run in deferrable if run.deferred),
+        deadlines_missed=missed,
+        deferrable_wait=wait_stats([_wait(run) for run in deferrable if run.first_start is not None]),
+    )
 
 
 def _check_invariants(running: Mapping[int, _Run], cluster: ClusterSnapshot) -> None:
