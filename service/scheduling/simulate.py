@@ -19,6 +19,12 @@ The model:
   usually loses less), then waits in its queue again with its original submission time;
 - wait = first start - submission; utilization = busy GPU-seconds (CPU-seconds on a cluster without
   GPUs) over the capacity from the first arrival to the last end.
+- money and carbon (`SimPricing`, `SimSpot`; issue 31): every held hour is priced by a signal as the
+  cost ledger prices it; a seeded share of research jobs is deferrable and waits for its cheaper
+  window by `decide`'s rule 0 on the duration the service would use (a wake-up event at each window's
+  start); spot nodes are interrupted by a Poisson process, and a job there keeps its progress when
+  the notice covers a checkpoint, else only its last periodic checkpoint. Invariant (with `check`):
+  busy time = useful work + lost work, interruptions included.
 
 `generate` writes a trace shaped like the published cluster traces (Microsoft Philly, Alibaba PAI,
 Shanghai AI Lab Helios): most jobs small and short, a few large and long ones that hold most of the
@@ -273,7 +279,8 @@ class SimPricing:
     rates: Rates = field(default_factory=Rates)
     # Rule 0 of `decide` on (the service with APIARY_PRICE_SIGNAL) or off (the same jobs, not deferred).
     defer: bool = True
-    # This share of research jobs, drawn with `seed`, is `deferrable: {within_h: within_h}`.
+    # This share of research jobs, drawn with `seed`, is `deferrable: {within_h: within_h}`: of those
+    # whose run-time limit (declared, else the queue's default) fits in it (no one asks for the impossible).
     deferrable_share: float = 0.0
     within_h: float = 12.0
     seed: int = 0
@@ -407,6 +414,7 @@ class SimResult:
     cost_unit: str = "price"
     priced_hours: float = 0.0  # GPU-hours (CPU-hours without GPUs) the signal priced
     deferrable: int = 0
+    deferrable_cost: float = 0.0  # the deferrable jobs' share of `cost`
     deferred: int = 0  # deferrable jobs that waited for a cheaper window
     deadlines_missed: int = 0  # deferrable jobs that ended after their deadline (or never)
     deferrable_wait: WaitStats | None = None
@@ -437,6 +445,7 @@ class SimResult:
             "cost_unit": self.cost_unit,
             "priced_hours": round(self.priced_hours, 2),
             "deferrable": self.deferrable,
+            "deferrable_cost": round(self.deferrable_cost, 4),
             "deferred": self.deferred,
             "deadlines_missed": self.deadlines_missed,
             "deferrable_wait": None if self.deferrable_wait is None else stats(self.deferrable_wait),
@@ -509,7 +518,10 @@ def simulate(
             continue
         deadline = (
             job.submit_s + pricing.within_h * 3600
-            if job.queue == "research" and marks[index] < pricing.deferrable_share
+            if job.queue == "research"
+            and marks[index] < pricing.deferrable_share
+            and limit is not None
+            and limit <= pricing.within_h * 3600
             else None
         )
         gang = replace(job.gang(), max_runtime_s=limit, deadline=deadline)
@@ -765,6 +777,7 @@ def _priced(result: SimResult, runs: Mapping[int, _Run], *, pricing: SimPricing,
         cost_unit=pricing.rates.unit,
         priced_hours=sum(run.priced_h for run in runs.values()),
         deferrable=len(deferrable),
+        deferrable_cost=sum(run.cost for run in deferrable),
         deferred=sum(1 for run in deferrable if run.deferred),
         deadlines_missed=missed,
         deferrable_wait=wait_stats([_wait(run) for run in deferrable if run.first_start is not None]),
