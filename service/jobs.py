@@ -37,6 +37,8 @@ from service.contract.errors import (
     ClusterUnavailable,
     CodeError,
     CodeUploadOff,
+    CredentialsRedeemed,
+    CredentialsRefused,
     IdempotencyKeyReused,
     InvalidReport,
     InvalidSpec,
@@ -64,7 +66,7 @@ from service.contract.protocol import (
 from service.contract.queues import QueueConfig
 from service.contract.spec import JobSpec, PlateauAction, PlateauSpec, Queue
 from service.contract.states import JobState, StopReason
-from service.contract.storage import node_local
+from service.contract.storage import S3Credentials, node_local
 from service.contract.trainer_kind import TrainerKind, TrainerNotDefined, kind_of_trainer, kind_refusal
 from service.costs import OwnerCost, sum_costs
 from service.observability import Gauges, Metrics, RankFigures, RunningJob
@@ -220,6 +222,10 @@ REPORT_REFUSED = (
     "(Authorization: Bearer)"
 )
 GIVEN_UP_HASHES_KEPT = 10_000
+CREDENTIALS_REFUSED = (
+    "job {job_id}: credentials go only to its current attempt's driver, with that attempt's fetch token "
+    "(Authorization: Bearer)"
+)
 JOB_ENDED = "job {job_id} ended ({state}): its report tokens write nothing more; exit"
 # A finished job's report token is dead: a post after the job ended changes nothing. For this long
 # after the end, a post of its final attempt with that attempt's token is answered 202 (`stored: 0`,
@@ -640,6 +646,43 @@ class JobService:
             for earlier in range(attempt - 1, 0, -1)
         ):
             raise ReportRefused(REPORT_REFUSED.format(job_id=job_id))
+
+    def redeem_credentials(self, job_id: int, *, attempt: int, token: str | None) -> S3Credentials:
+        """The job's S3 credentials, for the driver of its current `attempt`, in exchange for that
+        attempt's fetch token (service.contract.handoff), once. `CredentialsRefused` (401) without the
+        token; `CredentialsRedeemed` (403) for an attempt that was given up, and for the attempt's own
+        token once the job ended or the token was redeemed: a replay (of a token copied from Ray's
+        logs), recorded as an event of the job."""
+        refused: str | None = None
+        with self.db.session() as session:
+            job = repository.get_job(session, job_id, for_update=True)
+            if token is not None and attempt < job.attempt:
+                # Its hash is gone with it: nothing to check the token against, nor to record.
+                raise CredentialsRedeemed(
+                    f"job {job_id}: attempt {attempt} was given up for attempt {job.attempt}: its fetch "
+                    "token is dead"
+                )
+            if attempt != job.attempt or not token_matches(token, job.credentials_token_hash):
+                raise CredentialsRefused(CREDENTIALS_REFUSED.format(job_id=job_id))
+            if job.state.is_terminal:
+                refused = f"the job ended ({job.state.value})"
+            elif job.credentials_redeemed_at is not None:
+                refused = f"it was redeemed at {job.credentials_redeemed_at:%Y-%m-%d %H:%M:%S}"
+            else:
+                job.credentials_redeemed_at = utcnow()
+            reason = (
+                f"credentials refused to a fetch token of attempt {attempt}: {refused}"
+                if refused is not None
+                else f"credentials handed to attempt {attempt}'s driver (its fetch token is now dead)"
+            )
+            repository.record_event(session, job, actor="control plane", reason=reason)
+        if refused is not None:
+            logger.warning(
+                "job %s: %s", job_id, reason, extra={"action": "credentials_refused", "job_id": job_id}
+            )
+            raise CredentialsRedeemed(f"job {job_id}: {reason}")
+        credentials = self.settings.job_s3_credentials()
+        return credentials if credentials is not None else S3Credentials()
 
     def _check_after_the_end(self, job: Job, batch: TelemetryBatch, *, token: str | None) -> None:
         """A post to a job that ended changes nothing. Its final attempt's own post within

@@ -15,6 +15,7 @@ from service.contract import queues
 from service.contract.code import DEFAULT_MAX_BYTES as DEFAULT_CODE_MAX_BYTES
 from service.contract.queues import QueuesConfig
 from service.contract.spec import MAX_PRIORITY
+from service.contract.storage import S3Credentials
 from service.planning.formulas import DEFAULT_MTBF_S
 
 # Docker's and Kubernetes' secret files: a file named like the variable (`apiary_database_url`,
@@ -91,9 +92,9 @@ class Settings(BaseSettings):
         le=500 * 2**20,  # Ray keeps a working_dir in its GCS, which takes at most 512 MiB (gRPC's limit)
         description="The largest code package a job may bring, unpacked (its files' sizes added up).",
     )
-    # The usual AWS variables (no APIARY_ prefix), read here so that the scheduler can hand them to
-    # each job: a job's runtime_env reaches its driver, Train workers and Ray Data tasks on every node,
-    # which the service's own environment does not on a cluster that Apiary did not start.
+    # The usual AWS variables (no APIARY_ prefix), read here so that the control plane can hand them to
+    # each job's driver (`job_s3_credentials`), which passes them on to its Train workers and Ray Data
+    # tasks on every node: the service's own environment does not reach a cluster it did not start.
     aws_access_key_id: str | None = Field(default=None, validation_alias="AWS_ACCESS_KEY_ID")
     aws_secret_access_key: SecretStr | None = Field(default=None, validation_alias="AWS_SECRET_ACCESS_KEY")
     aws_session_token: SecretStr | None = Field(default=None, validation_alias="AWS_SESSION_TOKEN")
@@ -102,8 +103,9 @@ class Settings(BaseSettings):
     )
     forward_aws_env: bool = Field(
         default=True,
-        description="Pass the AWS variables above to every job (off when the cluster's nodes have their "
-        "own credentials, e.g. an instance role). Ray shows a job's runtime_env to its dashboard's readers.",
+        description="Hand the AWS variables above to every job (off when the cluster's nodes have their "
+        "own credentials, e.g. an instance role): its driver redeems a single-use fetch token for them at "
+        "the control plane and keeps them in memory, never in the runtime_env that Ray logs.",
     )
 
     tensorboard: bool = Field(
@@ -349,6 +351,19 @@ class Settings(BaseSettings):
             "AWS_REGION": self.aws_region,
         }
         return {key: value for key, value in values.items() if value}
+
+    def job_s3_credentials(self) -> S3Credentials | None:
+        """What an attempt's driver redeems its fetch token for (service.jobs.JobService.
+        redeem_credentials): the AWS settings above, in memory; None when none is forwarded."""
+        env = self.job_aws_env()
+        if not env:
+            return None
+        return S3Credentials(
+            access_key=env.get("AWS_ACCESS_KEY_ID"),
+            secret_key=env.get("AWS_SECRET_ACCESS_KEY"),
+            session_token=env.get("AWS_SESSION_TOKEN"),
+            region=env.get("AWS_REGION"),
+        )
 
 
 def secret_value(value: SecretStr | None) -> str | None:

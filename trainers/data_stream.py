@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ from ray.data.datasource import Datasource, ReadTask
 
 from service.contract.errors import DatasetError, one_line
 from service.contract.spec import DataFormat
-from service.contract.storage import resolve_uri
+from service.contract.storage import S3Credentials, resolve_uri, s3_credentials, use_s3_credentials
 from service.contract.webdataset import decode_webdataset
 from trainers.data_order import DataOrder, DataPosition, Slice, seek
 from trainers.system import count_data_read
@@ -60,7 +60,9 @@ class ShardSource:
     """A dataset's shards and how to read them: what every read task needs besides its slices.
 
     `files[unit.file]` is the path of a unit's shard on the filesystem `uri` resolves to (with
-    `s3_endpoint_url` for S3); `columns` None reads them all.
+    `s3_endpoint_url` for S3); `columns` None reads them all. `credentials`: the S3 credentials of the
+    process that built it (the job's, in memory), which its read tasks use: Ray pickles them to the
+    tasks with the source, never through an environment variable.
     """
 
     uri: str
@@ -68,6 +70,7 @@ class ShardSource:
     data_format: DataFormat
     columns: list[str] | None
     s3_endpoint_url: str | None = None
+    credentials: S3Credentials | None = field(default_factory=s3_credentials, repr=False)
 
 
 class SliceDatasource(Datasource):
@@ -114,6 +117,8 @@ def _group_slices(slices: list[Slice], *, min_rows: int) -> Iterator[list[Slice]
 def read_slices(source: ShardSource, slices: list[Slice]) -> Iterable[pa.Table]:
     """Read `slices` in order, one Arrow table each (runs inside a Ray Data read task)."""
     uri, files, columns = source.uri, source.files, source.columns
+    if source.credentials is not None:
+        use_s3_credentials(source.credentials)
     _, filesystem = resolve_uri(uri, s3_endpoint_url=source.s3_endpoint_url)
     parquet_files: dict[int, pq.ParquetFile] = {}
     tar_tables: dict[int, pa.Table] = {}

@@ -66,7 +66,7 @@ from ray.train.v2.api.config import FailureConfig
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
 from service.contract.errors import DatasetError, one_line
-from service.contract.handoff import pointer_from_env, read_launch, read_token
+from service.contract.handoff import pointer_from_env, read_launch, read_token, redeem_credentials
 from service.contract.protocol import (
     LAUNCH_ENV_VAR,
     WORKER_FAILED,
@@ -77,7 +77,7 @@ from service.contract.protocol import (
     find_module,
 )
 from service.contract.spec import JobSpec
-from service.contract.storage import checkpoint_uri, resolve_uri
+from service.contract.storage import checkpoint_uri, resolve_uri, use_s3_credentials
 from service.contract.trainer_kind import (
     CONTEXT_TYPE,
     TrainerKind,
@@ -503,6 +503,12 @@ def main() -> int:
         return _fail(f"{LAUNCH_ENV_VAR} is not a valid launch pointer: {_error_text(err)}")
     if pointer is None:
         return _fail(f"{LAUNCH_ENV_VAR} is not set: this entrypoint is started by the Apiary service")
+    try:
+        # In memory only: this process's S3 filesystems, its workers' (loop config) and its read tasks'.
+        use_s3_credentials(redeem_credentials(pointer))
+    except ValueError as err:
+        # The control plane may be unreachable for a moment: a new attempt (a new token) may succeed.
+        return _fail(f"cannot fetch the job's credentials: {_error_text(err)}", retryable=True)
     try:
         request = read_launch(pointer)
     except (ValueError, ValidationError) as err:

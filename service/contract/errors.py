@@ -92,6 +92,14 @@ class AttemptSuperseded(ApiaryError):
     """This attempt of the job was given up for a newer one: exit without writing anything more."""
 
 
+class CredentialsRefused(ApiaryError):
+    """This request does not carry the fetch token of the job's current attempt."""
+
+
+class CredentialsRedeemed(ApiaryError):
+    """This fetch token is dead: redeemed already, or its attempt was given up or ended."""
+
+
 class InvalidReport(ApiaryError):
     """The report names something that is not the job's own."""
 

@@ -8,10 +8,13 @@ job N, the service writes, under the job's own storage prefix:
     {storage_uri}/job-N/_apiary/attempt-K/report-token   the attempt's report token
 
 and the job's environment carries only a `LaunchPointer` (`service.contract.protocol.LAUNCH_ENV_VAR`): job,
-attempt, that folder and the S3 endpoint to read it with. The driver (`trainers.launch`) reads the
-request from there, and hands the pointer on to its Train workers in their loop config
-(`LOOP_CONFIG_KEY`); each reads the token from storage (`loop_token`) with the credentials it already
-has for checkpoints.
+attempt, that folder, the S3 endpoint to read it with, and the attempt's fetch token with the control
+plane's URL to redeem it at. The driver (`trainers.launch`) first redeems the fetch token for the
+job's S3 credentials (`POST /internal/jobs/{id}/attempts/{k}/credentials`, once: the database keeps
+only the token's sha256 and when it was redeemed, so a token copied from Ray's logs is worthless),
+then reads the request from storage, and hands the pointer (without the token) and the credentials
+on to its Train workers in their loop config (`LOOP_CONFIG_KEY`); each reads the report token from
+storage (`loop_token`) with those credentials. No S3 credential is ever in a job's environment.
 
 The report token is a random secret per attempt; the database keeps only its sha256 (`token_hash`), and
 the control plane takes telemetry for a job only from its current attempt, with that token
@@ -30,10 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
+import httpx
 import pyarrow.fs as pafs
+from pydantic import ValidationError
 
 from service.contract.protocol import LAUNCH_ENV_VAR, LaunchPointer, LaunchRequest
-from service.contract.storage import checkpoint_uri, resolve_uri
+from service.contract.storage import S3Credentials, checkpoint_uri, resolve_uri
 
 HANDOFF_DIR = "_apiary"
 LAUNCH_FILE = "launch.json"
@@ -48,6 +53,8 @@ class Handoff:
 
     request: LaunchRequest
     token: str = field(repr=False)
+    # Redeemed once by the attempt's driver for the job's S3 credentials (service.jobs.redeem_credentials).
+    fetch_token: str | None = field(default=None, repr=False)
 
 
 def run_name(job_id: int) -> str:
@@ -87,8 +94,11 @@ def is_own_checkpoint(uri: str, *, storage_uri: str, job_id: int) -> bool:
     return parts[0] != HANDOFF_DIR and all(part not in ("", ".", "..") for part in parts)
 
 
-def write_handoff(request: LaunchRequest, *, token: str) -> LaunchPointer:
-    """Write the attempt's launch request and report token to storage; returns the job's pointer."""
+def write_handoff(
+    request: LaunchRequest, *, token: str, credentials_url: str | None = None, fetch_token: str | None = None
+) -> LaunchPointer:
+    """Write the attempt's launch request and report token to storage; returns the job's pointer (with
+    the attempt's fetch token and where to redeem it, when given)."""
     folder = handoff_uri(request.storage_uri, job_id=request.job_id, attempt=request.attempt)
     path, filesystem = resolve_uri(folder, s3_endpoint_url=request.s3_endpoint_url)
     filesystem.create_dir(path, recursive=True)
@@ -101,6 +111,8 @@ def write_handoff(request: LaunchRequest, *, token: str) -> LaunchPointer:
         attempt=request.attempt,
         handoff_uri=folder,
         s3_endpoint_url=request.s3_endpoint_url,
+        credentials_url=credentials_url,
+        credentials_token=fetch_token,
     )
 
 
@@ -117,6 +129,32 @@ def read_launch(pointer: LaunchPointer) -> LaunchRequest:
 
 def read_token(pointer: LaunchPointer) -> str:
     return _read(pointer, TOKEN_FILE).decode().strip()
+
+
+def redeem_credentials(pointer: LaunchPointer, *, timeout_s: float = 30) -> S3Credentials | None:
+    """The job's S3 credentials, for which the driver redeems the pointer's fetch token (once: a second
+    try is refused); None for a pointer without one. Raises ValueError when the control plane refuses
+    or cannot be reached."""
+    if pointer.credentials_url is None or pointer.credentials_token is None:
+        return None
+    try:
+        response = httpx.post(
+            pointer.credentials_url,
+            headers={"Authorization": f"Bearer {pointer.credentials_token}"},
+            timeout=timeout_s,
+        )
+    except httpx.HTTPError as err:
+        raise ValueError(f"cannot reach {pointer.credentials_url}: {err}") from err
+    if response.status_code != 200:
+        raise ValueError(
+            f"{pointer.credentials_url} refused the fetch token: {response.status_code} {response.text[:300]}"
+        )
+    try:
+        return S3Credentials.model_validate_json(response.content)
+    except ValidationError as err:
+        raise ValueError(
+            f"{pointer.credentials_url} answered no credentials: {err.error_count()} error(s)"
+        ) from err
 
 
 def pointer_from_env() -> LaunchPointer | None:

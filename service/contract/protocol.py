@@ -95,6 +95,11 @@ class LaunchPointer(Strict):
     attempt: int = Field(ge=1)
     handoff_uri: str = Field(description="The attempt's handoff folder (file:// or s3://).")
     s3_endpoint_url: str | None = None
+    # Where the driver redeems `credentials_token`, once, for the job's S3 credentials
+    # (service.contract.storage.S3Credentials) before it reads anything: the token is the one
+    # secret-like value in the runtime_env, dead once redeemed, and none on a pointer passed on.
+    credentials_url: str | None = None
+    credentials_token: str | None = Field(default=None, repr=False)
 
 
 def entrypoint(python: str | None = None) -> str:

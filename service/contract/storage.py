@@ -32,9 +32,10 @@ from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+from pydantic import Field
 
 from service.contract.errors import DatasetError, one_line
-from service.contract.spec import DataFormat
+from service.contract.spec import DataFormat, Strict
 
 SHARD_SUFFIXES = {DataFormat.PARQUET: ".parquet", DataFormat.WEBDATASET: ".tar"}
 MANIFEST_NAME = "_manifest.json"
@@ -48,6 +49,34 @@ MAX_LIST_DEPTH = 16
 
 class DatasetMissing(DatasetError):
     """The dataset does not exist."""
+
+
+class S3Credentials(Strict):
+    """The S3 credentials of a job's processes, held in memory only (`use_s3_credentials`).
+
+    The driver of an attempt redeems its fetch token for them at the control plane
+    (`POST /internal/jobs/{id}/attempts/{k}/credentials`), hands them to its Train workers in their loop
+    config and to Ray Data's read tasks with their `ShardSource`: never in an environment variable of
+    the job's runtime_env, which Ray logs and shows on its dashboard."""
+
+    access_key: str | None = None
+    secret_key: str | None = Field(default=None, repr=False)
+    session_token: str | None = Field(default=None, repr=False)
+    region: str | None = None
+
+
+# This process's S3 credentials (a job's process); None: the AWS SDK's own chain (environment, role).
+_credentials: S3Credentials | None = None
+
+
+def use_s3_credentials(credentials: S3Credentials | None) -> None:
+    """Every S3 filesystem this process resolves from now on (`resolve_uri`) uses `credentials`."""
+    global _credentials
+    _credentials = credentials
+
+
+def s3_credentials() -> S3Credentials | None:
+    return _credentials
 
 
 def resolve_uri(uri: str, *, s3_endpoint_url: str | None = None) -> tuple[str, pafs.FileSystem]:
@@ -96,12 +125,23 @@ def checkpoint_uri(*, storage_uri: str, run_name: str, name: str) -> str:
 
 
 def _s3_filesystem(endpoint_url: str | None) -> pafs.FileSystem:
+    # Explicit credentials travel with the filesystem when Ray pickles it (Train's storage_filesystem).
+    options: dict[str, Any] = {}
+    if _credentials is not None:
+        if _credentials.access_key is not None and _credentials.secret_key is not None:
+            options |= {
+                "access_key": _credentials.access_key,
+                "secret_key": _credentials.secret_key,
+                "session_token": _credentials.session_token,
+            }
+        if _credentials.region is not None:
+            options["region"] = _credentials.region
     if endpoint_url is None:
-        return pafs.S3FileSystem()
+        return pafs.S3FileSystem(**options)
     endpoint = urlparse(endpoint_url)
     if endpoint.scheme not in ("http", "https") or not endpoint.netloc:
         raise ValueError(f"s3_endpoint_url {endpoint_url!r} must look like http(s)://host:port")
-    return pafs.S3FileSystem(endpoint_override=endpoint.netloc, scheme=endpoint.scheme)
+    return pafs.S3FileSystem(endpoint_override=endpoint.netloc, scheme=endpoint.scheme, **options)
 
 
 def list_shards(

@@ -403,7 +403,7 @@ class Scheduler:
         step = job.latest_checkpoint_step
         attempt = job.attempt + 1
         submission_id = _submission_id(job.id, attempt)
-        token = new_token()
+        token, fetch_token = new_token(), new_token()
         repository.transition(
             session,
             job,
@@ -419,8 +419,10 @@ class Scheduler:
             failures=job.failures + 1,
             segment=None,
             report_token_hash=token_hash(token),
+            credentials_token_hash=token_hash(fetch_token),
+            credentials_redeemed_at=None,
         )
-        return Handoff(request=self._launch_request(job, spec), token=token)
+        return Handoff(request=self._launch_request(job, spec), token=token, fetch_token=fetch_token)
 
     def _finish_stop(self, session: Session, job: Job, *, lost: str | None) -> None:
         """A job told to checkpoint and stop has ended: back to the queue, or failed, or done.
@@ -950,7 +952,7 @@ class Scheduler:
             if job.state is not JobState.QUEUED:
                 return  # cancelled meanwhile
             attempt = job.attempt + 1
-            token = new_token()
+            token, fetch_token = new_token(), new_token()
             spec = JobSpec.model_validate(job.spec)
             queued_at = to_time(repository.queued_since(session, job_id)) or to_time(job.created_at)
             repository.transition(
@@ -969,8 +971,10 @@ class Scheduler:
                 eta_at=None,
                 segment=None,
                 report_token_hash=token_hash(token),
+                credentials_token_hash=token_hash(fetch_token),
+                credentials_redeemed_at=None,
             )
-            launch = Handoff(request=self._launch_request(job, spec), token=token)
+            launch = Handoff(request=self._launch_request(job, spec), token=token, fetch_token=fetch_token)
         self.metrics.job_admitted(queue=job.queue, waited_s=time.time() - (queued_at or time.time()))
         self._submit(job_id, launch)
 
@@ -1011,8 +1015,15 @@ class Scheduler:
         submits nothing, and the next reconcile requeues the job (Ray never saw the submission)."""
         submission_id = launch.request.submission_id
         assert submission_id is not None
+        request = launch.request
         try:
-            pointer = write_handoff(launch.request, token=launch.token)
+            pointer = write_handoff(
+                request,
+                token=launch.token,
+                credentials_url=f"{self.settings.resolved_public_url}/internal/jobs/{request.job_id}"
+                f"/attempts/{request.attempt}/credentials",
+                fetch_token=launch.fetch_token,
+            )
         except OSError as err:
             logger.warning(
                 "cannot write the handoff of job %s attempt %s to storage: %s",
@@ -1022,15 +1033,10 @@ class Scheduler:
                 extra={"action": "handoff_failed", "submission_id": submission_id},
             )
             return
-        env_vars = {
-            **launch_env(pointer),
-            **self.settings.job_ray_env(),
-            # S3 credentials for the driver, the Train workers and the Ray Data tasks, on every node
-            # of an external cluster (never in the launch request, nor in any log line here). Ray's
-            # runtime_env agent logs a job's runtime_env on each node: the local Ray has them in its
-            # own environment instead (service.cluster.LocalRay), which its jobs inherit.
-            **(self.settings.job_aws_env() if self.settings.ray_address else {}),
-        }
+        # No S3 credential here: Ray logs a job's runtime_env on each node and shows it on its
+        # dashboard. The driver redeems the pointer's single-use fetch token for them instead
+        # (service.contract.handoff), on the local Ray and on an external cluster alike.
+        env_vars = {**launch_env(pointer), **self.settings.job_ray_env()}
         working_dir = None
         if launch.request.spec.code is not None:
             try:

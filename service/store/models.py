@@ -118,6 +118,11 @@ class Job(Base):
     # the
     # token. The token itself is only in the attempt's handoff folder in storage.
     report_token_hash: Mapped[str | None] = mapped_column(String(64))
+    # The sha256 of the current attempt's fetch token, which its driver redeems once for the job's S3
+    # credentials (service.jobs.JobService.redeem_credentials), and when it did: a second redemption is
+    # refused. The token itself is only in the attempt's runtime_env.
+    credentials_token_hash: Mapped[str | None] = mapped_column(String(64))
+    credentials_redeemed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # A sweep's trial (service.sweeps): its sweep, its number there (unique: no trial starts twice) and
     # the point of the search space it runs.
     sweep_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("sweeps.id", ondelete="SET NULL"))

@@ -16,7 +16,7 @@ import yaml
 
 from api.app import create_app
 from api.server import BackgroundServer
-from service.cluster import ClusterBackend, free_port
+from service.cluster import ClusterBackend, RayJobStatus, free_port
 from service.contract.handoff import job_prefix
 from service.runtime import Runtime
 from service.settings import Settings
@@ -39,6 +39,15 @@ class Service:
         assert response.status_code == 201, response.text
         body: dict[str, Any] = response.json()
         return body
+
+    def start(self, spec: dict[str, Any]) -> tuple[int, str]:
+        """Submit `spec` and run it (admitted, then RUNNING on the fake cluster): its id and submission."""
+        job_id = int(self.submit(spec)["id"])
+        self.tick()
+        submission_id = self.backend.submission_of(job_id)
+        self.backend.statuses[submission_id] = RayJobStatus.RUNNING
+        self.tick()
+        return job_id, submission_id
 
     def job(self, job_id: int) -> dict[str, Any]:
         body: dict[str, Any] = self.http.get(f"/jobs/{job_id}").json()

@@ -102,11 +102,11 @@ def test_a_checkpoint_in_s3_loads_and_rebuilds_its_model(s3: S3, tmp_path: Path)
     assert load_checkpoint(local.as_uri())["step"] == 1
 
 
-def test_jobs_of_an_external_cluster_get_the_aws_variables_in_their_runtime_env_only(
+def test_jobs_of_an_external_cluster_get_no_aws_variable_in_their_runtime_env(
     s3: S3, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """On an external cluster (APIARY_RAY_ADDRESS) the runtime_env carries them; the local Ray has them
-    in its own environment instead (tests/e2e/test_secrets.py): Ray logs a job's runtime_env."""
+    """On an external cluster (APIARY_RAY_ADDRESS) too, the runtime_env (which Ray logs) carries only a
+    fetch token, which the driver redeems for the credentials (tests/integration/test_credentials.py)."""
     from service.runtime import Runtime
 
     uri = f"{s3.datasets_uri}/tokens"
@@ -144,14 +144,16 @@ def test_jobs_of_an_external_cluster_get_the_aws_variables_in_their_runtime_env_
     assert launch.job_id == job.id
     assert launch.s3_endpoint_url == s3.endpoint_url and launch.storage_uri == s3.checkpoints_uri
     env = backend.env_vars
-    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
-        assert env[key] == s3.env[key]
+    assert not [key for key in env if key.startswith("AWS_")], sorted(env)
+    assert json.loads(env[LAUNCH_ENV_VAR])["credentials_token"]
     secret = s3.env["AWS_SECRET_ACCESS_KEY"]
-    assert secret not in env[LAUNCH_ENV_VAR] and secret not in json.dumps(launch.model_dump(mode="json"))
+    assert secret not in json.dumps(env) and secret not in json.dumps(launch.model_dump(mode="json"))
     assert secret not in caplog.text and secret not in repr(settings)
+    credentials = settings.job_s3_credentials()
+    assert credentials is not None and credentials.secret_key == secret and secret not in repr(credentials)
 
     off = Settings(data_dir=tmp_path / "data", forward_aws_env=False)
-    assert off.job_aws_env() == {}
+    assert off.job_aws_env() == {} and off.job_s3_credentials() is None
 
 
 def test_shard_to_s3_writes_a_manifest_that_validates_and_lists(s3: S3, tmp_path: Path) -> None:

@@ -23,12 +23,7 @@ def start_job(service: Service, dataset: str, *, lr: float = 0.1) -> tuple[int, 
     spec = classification_job(
         dataset, name="tb-run", num_workers=2, config={"task": "classification", "num_classes": 3, "lr": lr}
     )
-    job_id = int(service.submit(spec)["id"])
-    service.tick()
-    submission_id = service.backend.submission_of(job_id)
-    service.backend.statuses[submission_id] = RayJobStatus.RUNNING
-    service.tick()
-    return job_id, submission_id
+    return service.start(spec)
 
 
 def post(service: Service, job_id: int, steps: range, *, eval_every: int = 5) -> None:
