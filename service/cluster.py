@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -454,11 +454,11 @@ class LocalRay:
 
     @classmethod
     def start_or_reuse(
-        cls, *, data_dir: Path, num_cpus: int, job_env: Mapping[str, str] | None = None, timeout_s: float = 90
+        cls, *, data_dir: Path, num_cpus: int, withheld: Collection[str] = (), timeout_s: float = 90
     ) -> LocalRay:
-        """`job_env`: what every process of the cluster gets in its environment (the S3 credentials of
-        `Settings.job_aws_env`): the raylet's environment reaches each job's driver, Train workers and
-        Ray Data tasks, without passing through a job's runtime_env, which Ray writes to its logs."""
+        """`withheld`: the variables of the service's environment that the cluster's processes must not
+        get (`Settings.local_ray_withheld_env`: the S3 credentials, which a job's driver redeems instead,
+        service.contract.handoff): the raylet's environment reaches every process of every job."""
         state_file = data_dir / "ray_cluster.json"
         existing = cls._load(state_file)
         if existing is not None and existing.is_alive():
@@ -473,13 +473,13 @@ class LocalRay:
             data_dir=data_dir,
             state_file=state_file,
             num_cpus=num_cpus,
-            job_env=job_env or {},
+            withheld=withheld,
             timeout_s=timeout_s,
         )
 
     @classmethod
     def _start(
-        cls, *, data_dir: Path, state_file: Path, num_cpus: int, job_env: Mapping[str, str], timeout_s: float
+        cls, *, data_dir: Path, state_file: Path, num_cpus: int, withheld: Collection[str], timeout_s: float
     ) -> LocalRay:
         ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
         if ray_bin is None:
@@ -505,7 +505,8 @@ class LocalRay:
         ]
         # Token auth on (Ray binds beyond loopback), with a token of this data dir's own: the
         # service's client and every job driver (which inherits the raylet's environment) use it.
-        env = local_ray_env({**os.environ, **job_env}, auth_token_path=auth_token_path)
+        environ = {key: value for key, value in os.environ.items() if key not in withheld}
+        env = local_ray_env(environ, auth_token_path=auth_token_path)
         with log_path.open("ab") as log:
             process = subprocess.Popen(
                 command,

@@ -128,7 +128,7 @@ class Runtime:
         self.local_ray = LocalRay.start_or_reuse(
             data_dir=self.settings.data_dir,
             num_cpus=self.settings.local_ray_cpus,
-            job_env=self.settings.job_aws_env(),
+            withheld=self.settings.local_ray_withheld_env(),
         )
         backend = RayBackend(self.local_ray.dashboard_url, auth_token_path=self.local_ray.auth_token_path)
         backend.wait_for_nodes()

@@ -352,6 +352,16 @@ class Settings(BaseSettings):
         }
         return {key: value for key, value in values.items() if value}
 
+    def local_ray_withheld_env(self) -> frozenset[str]:
+        """The AWS credential variables, which the local Ray's processes must not inherit from the
+        service's environment when they are handed to jobs (`forward_aws_env`): its jobs redeem them
+        like any cluster's, and a process's environment is readable in /proc by every process of its
+        user (any job's code among them). None withheld otherwise: the service's environment is then
+        the node's own credentials."""
+        if not self.forward_aws_env:
+            return frozenset()
+        return frozenset({"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"})
+
     def job_s3_credentials(self) -> S3Credentials | None:
         """What an attempt's driver redeems its fetch token for (service.jobs.JobService.
         redeem_credentials): the AWS settings above, in memory; None when none is forwarded."""

@@ -27,6 +27,7 @@ from api.demo import classification_table, write_shards
 from service.contract.protocol import LAUNCH_ENV_VAR
 from tests.conftest import S3
 from tests.e2e.conftest import start_serve, stop_serve
+from tests.support.processes import processes_holding
 from tests.support.ray_cluster import RayCluster, ray_cluster
 from tests.support.wait import wait_until
 
@@ -39,21 +40,6 @@ def cluster(tmp_path: Path) -> Iterator[RayCluster]:
     with ray_cluster(tmp_path / "ray", head_cpus=3) as cluster:
         cluster.add_node("node2", num_cpus=2)
         yield cluster
-
-
-def processes_holding(secret: bytes, *, besides: set[int]) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) in besides:
-            continue
-        for part in ("cmdline", "environ"):
-            try:
-                content = (entry / part).read_bytes()
-            except OSError:  # gone, or another user's
-                continue
-            if secret in content:
-                found.append(f"{part} of pid {entry.name}: {content[:200]!r}")
-    return found
 
 
 def test_no_s3_secret_reaches_ray_on_an_external_cluster(
@@ -104,14 +90,14 @@ def test_no_s3_secret_reaches_ray_on_an_external_cluster(
 
             running = wait_until(training, timeout_s=300, interval_s=0.3, what="the job training")
             # While it runs: its driver, Train workers and Ray Data tasks are alive on both nodes.
-            during = processes_holding(secret.encode(), besides={os.getpid(), served.process.pid})
+            during = processes_holding(secret, besides={os.getpid(), served.process.pid})
             ray_job: dict[str, Any] = httpx.get(
                 f"{cluster.dashboard_url}/api/jobs/{running.ray_submission_id}", headers=ray_auth, timeout=10
             ).json()
             job = client.wait(job.id, timeout_s=300)
             assert job.state == "succeeded", job
             assert job.latest_checkpoint is not None and job.latest_checkpoint.startswith(s3.checkpoints_uri)
-        after = processes_holding(secret.encode(), besides={os.getpid(), served.process.pid})
+        after = processes_holding(secret, besides={os.getpid(), served.process.pid})
         table = httpx.get(f"{cluster.dashboard_url}/api/jobs/", headers=ray_auth, timeout=10).text
         # The one secret-like value in the runtime_env: the attempt's fetch token, dead once redeemed.
         env_vars = ray_job["runtime_env"]["env_vars"]

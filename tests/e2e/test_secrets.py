@@ -5,6 +5,7 @@ A real `apiary serve` (its own local Ray, auth on) trains a short job that reads
 Then every file under the data dir and the local Ray's temp folder (Ray's logs among them) is read:
 none holds the AWS secret key, the session token, the API token or the attempt's report token, and
 each file is 0600 (or tighter), the folders that hold them 0700. Ray's token lives in its one file.
+No process but the service's own holds the secret key in its command line or environment.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from api.client import ApiaryClient
 from api.demo import classification_table, write_shards
 from tests.conftest import S3, S3_ENV
 from tests.e2e.conftest import apiary_bin, mlp_spec, serving
+from tests.support.processes import processes_holding
 
 pytestmark = [pytest.mark.timeout(900)]
 
@@ -63,6 +65,12 @@ def test_no_secret_of_a_real_run_is_written_under_the_data_dir(
             spec["checkpoint"] = {"every_steps": 3}
             job = client.wait(client.submit(spec).id, timeout_s=300)
             assert job.state == "succeeded", job
+            # The local Ray's processes (its raylet, the job's idle workers) inherit no credential: the
+            # driver redeemed them for its fetch token, and kept them in memory.
+            held = processes_holding(
+                aws["AWS_SECRET_ACCESS_KEY"].encode(), besides={os.getpid(), served.process.pid}
+            )
+            assert held == [], held
             assert job.latest_checkpoint is not None and job.latest_checkpoint.startswith(s3.checkpoints_uri)
         ray_temp = Path(served.ray_state()["temp_dir"])
         ray_token = Path(served.ray_state()["auth_token_path"]).read_text().strip()

@@ -21,8 +21,9 @@ def ray_cluster() -> Iterator[str]:
 
     Its job-level runtime_env carries Ray Train's settings of the service's jobs
     (`Settings.job_ray_env`), and the AWS variables of the tests' S3 server (fake credentials,
-    no endpoint), as the service's submissions do (`Settings.job_aws_env`): Train workers and Ray
-    Data tasks of tests/ray/test_s3_run.py read S3 with them; the other jobs never read them.
+    no endpoint): Train workers and Ray Data tasks of tests/ray/test_s3_run.py read S3 with them; the
+    other jobs never read them. The service's own jobs get theirs in memory instead, for a fetch
+    token (tests/e2e/test_multinode_secrets.py).
     """
     with local_ray(runtime_env={"env_vars": {**S3_ENV, **Settings().job_ray_env()}}) as address:
         yield address

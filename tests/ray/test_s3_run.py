@@ -1,8 +1,9 @@
 """A job on a real local Ray cluster that reads its dataset from S3 and checkpoints to S3 (moto on loopback).
 
-The package's cluster (tests/ray/conftest.py) gets the AWS variables through its job-level runtime_env,
-as the service's submissions do (`Settings.job_aws_env`): Train workers and Ray Data tasks read S3
-with them, not with whatever environment the raylet started with.
+The package's cluster (tests/ray/conftest.py) gets the AWS variables through its job-level runtime_env
+(the service's jobs redeem theirs for a fetch token instead: tests/e2e/test_multinode_secrets.py):
+Train workers and Ray Data tasks read S3 with them, not with whatever environment the raylet started
+with.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Find the processes of a local Ray job on this machine (from /proc), to kill them as a failure would."""
+"""Find the processes of a local Ray job on this machine (from /proc), to kill them as a failure would, and
+the processes that hold a secret in their command line or environment."""
 
 from __future__ import annotations
 
@@ -47,3 +48,15 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def processes_holding(secret: str, *, besides: set[int]) -> list[str]:
+    """The processes (of those this user may read) but `besides` (the service's own, the test's) whose
+    command line or environment holds `secret`."""
+    return [
+        f"{part} of pid {pid}: {text[:200]!r}"
+        for pid in pids()
+        if pid not in besides
+        for part, text in (("cmdline", cmdline(pid)), ("environ", environ(pid)))
+        if secret in text
+    ]
