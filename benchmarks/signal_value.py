@@ -1,10 +1,10 @@
 """Signal value: what deferral to cheaper hours saves, and what spot interruptions lose, in one run.
 
-    nice .venv/bin/python benchmarks/signal_value.py                       # ~1 min here
+    nice .venv/bin/python benchmarks/signal_value.py                       # ~3 min here
     nice .venv/bin/python benchmarks/signal_value.py --signal my.csv --unit price --seeds 5
 
 Each workload is replayed by `service.scheduling.simulate.simulate` on the vendored signal
-(benchmarks/data/gb-carbon-intensity-2023-03.csv: GB grid carbon intensity, hourly, 5 days; its
+(benchmarks/data/gb-carbon-intensity-2023-03.csv: GB grid carbon intensity, hourly, March 2023; its
 source and licence in benchmarks/data/README.md), the trace's time 0 at the signal's first hour:
 
 - every policy without deferral (the cost of the same jobs run as soon as the queues allow);
@@ -14,9 +14,10 @@ source and licence in benchmarks/data/README.md), the trace's time 0 at the sign
 - the two-queue policy with deferral and spot nodes (half the nodes, a stated interruption rate),
   without notice and with a 120 s notice.
 
-The workloads: the generator (`simulate.generate`) at 8 nodes x 8 GPUs over ~3 days, and the first
-3.5 days of the suite's ITP trace itp-c02-d14-fs8 (benchmarks/traces). Figures are means over the
-seeds (which research jobs are deferrable), with the range.
+The traces' time 0 is 2023-03-21 04:00 UTC, the start of the signal's 9 days without a gap. The
+workloads: the generator (`simulate.generate`) at 8 nodes x 8 GPUs over ~7 days at loads 0.8 and
+0.5, and the first 7 days of the suite's ITP trace itp-c02-d14-fs8 (benchmarks/traces). Figures are
+means over the seeds (which research jobs are deferrable), with the range.
 """
 
 from __future__ import annotations
@@ -36,26 +37,31 @@ from _common import command, machine  # noqa: E402
 from policy_value import load_trace  # noqa: E402
 
 from service.contract.queues import DEFAULT_QUEUES, QueuesConfig  # noqa: E402
-from service.contract.signal import Signal  # noqa: E402
+from service.contract.signal import Signal, parse_time  # noqa: E402
 from service.costs import Rates, read_signal  # noqa: E402
 from service.scheduling import simulate as sim  # noqa: E402
 
 SIGNAL = ROOT / "benchmarks" / "data" / "gb-carbon-intensity-2023-03.csv"
 TRACES = ROOT / "benchmarks" / "traces"
 NODE = "CPU=32,GPU=8"
+# The traces' time 0: the start of the signal's 9 days without a gap; the traces submit over 7 of them.
+START_AT = "2023-03-21T04:00:00Z"
+DAYS = 7
 
 
 def workloads() -> list[tuple[str, list[sim.TraceJob], int, QueuesConfig]]:
-    generated = sim.generate(330, seed=7, shape=sim.TraceShape(nodes=8, offered_load=0.8))
+    generated = sim.generate(770, seed=7, shape=sim.TraceShape(nodes=8, offered_load=0.8))
+    light = sim.generate(480, seed=7, shape=sim.TraceShape(nodes=8, offered_load=0.5))
     entry = next(
         e for e in json.loads((TRACES / "suite.json").read_text())["traces"] if e["name"] == "itp-c02-d14-fs8"
     )
     jobs, queues = load_trace(entry)
-    itp = [job for job in jobs if job.submit_s < 3.5 * 86_400]
+    itp = [job for job in jobs if job.submit_s < DAYS * 86_400]
     return [
         (f"generated, {len(generated)} jobs, 8 nodes, load 0.8", generated, 8, DEFAULT_QUEUES),
+        (f"generated, {len(light)} jobs, 8 nodes, load 0.5", light, 8, DEFAULT_QUEUES),
         (
-            f"ITP c02 days 14-17.5, {len(itp)} jobs, 11 nodes",
+            f"ITP c02 days 14-{14 + DAYS:g}, {len(itp)} jobs, 11 nodes",
             itp,
             11,
             queues,
@@ -71,12 +77,14 @@ class Workload:
     signal: Signal
     rates: Rates
     share: float
+    start_at: float
 
     def run(
         self, policy: str, *, seed: int, within_h: float, defer: bool, spot: sim.SimSpot = sim.NO_SPOT
     ) -> sim.SimResult:
         pricing = sim.SimPricing(
             signal=self.signal,
+            start_at=self.start_at,
             rates=self.rates,
             defer=defer,
             deferrable_share=self.share,
@@ -173,6 +181,7 @@ def main() -> None:
     )
     parser.add_argument("--signal", type=Path, default=SIGNAL)
     parser.add_argument("--unit", choices=("price", "carbon"), default="carbon")
+    parser.add_argument("--start-at", default=START_AT, help="the traces' time 0 (ISO 8601 or Unix seconds)")
     parser.add_argument("--share", type=float, default=0.5, help="share of research jobs deferrable")
     parser.add_argument("--within-h", type=float, nargs="+", default=[12.0, 24.0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -185,11 +194,20 @@ def main() -> None:
     print("## Signal value\n")
     print(f"- machine: {machine()}")
     print(f"- command: `{command()}`")
-    print(f"- signal: {args.signal.name}, {len(signal.points)} hours, unit {args.unit}")
+    print(
+        f"- signal: {args.signal.name}, {len(signal.points)} hours, unit {args.unit}, "
+        f"time 0 at {args.start_at}"
+    )
     for name, jobs, nodes, queues in workloads():
         print(f"\n### {name}\n")
         workload = Workload(
-            jobs=jobs, nodes=nodes, queues=queues, signal=signal, rates=rates, share=args.share
+            jobs=jobs,
+            nodes=nodes,
+            queues=queues,
+            signal=signal,
+            rates=rates,
+            share=args.share,
+            start_at=parse_time(args.start_at),
         )
         report(workload, unit=unit, within=args.within_h, seeds=range(args.seeds), spot_rate=args.spot_rate)
     print(f"\n({time.perf_counter() - started:.0f} s)")
