@@ -235,7 +235,9 @@ def simulate(
     generate: Annotated[
         int | None, typer.Option(min=1, help="Write a generated trace of this many jobs to stdout instead.")
     ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of --generate.")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="Seed of --generate, and of --deferrable-share's and --spot-share's draws.")
+    ] = 0,
     from_db: Annotated[
         bool,
         typer.Option(

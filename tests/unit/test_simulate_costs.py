@@ -22,21 +22,18 @@ def hourly(values: list[float]) -> Signal:
 
 
 def test_a_deferrable_job_waits_for_the_cheap_hours_by_its_declared_runtime_and_meets_its_deadline() -> None:
-    # Dear (100) everywhere but 08:00-12:00 (10). The job runs 30 min but declares 1 h: deferral
-    # knows only the declaration, so it starts at 08:00, the first start of the cheapest hour.
-    signal = hourly([100.0] * 8 + [10.0] * 4 + [100.0] * 12)
-    trace = [job(1, 0, 8, 1800, queue="research", max_runtime_s=3600)]
+    # Dear (100) but for 08:00-09:00 (10) and 10:00-12:00 (20). The job runs 30 min but declares 2 h:
+    # deferral knows only the declaration, so it starts at 10:00 (2 h cost 40 against 110 from 08:00);
+    # had it known the true 30 min, 08:00 would have been cheapest.
+    signal = hourly([100.0] * 8 + [10.0, 100.0, 20.0, 20.0] + [100.0] * 12)
+    trace = [job(1, 0, 8, 1800, queue="research", max_runtime_s=7200)]
     with_deferral = SimPricing(signal=signal, deferrable_share=1.0, within_h=24)
     deferred = simulate(trace, nodes=1, node=NODE, pricing=with_deferral, check=True)
     assert deferred.deferred == 1 and deferred.deadlines_missed == 0
-    assert deferred.deferrable_wait is not None and deferred.deferrable_wait.max == 8 * HOUR
-    assert deferred.cost == pytest.approx(8 * 10 * 0.5)  # 8 GPUs x 10 x half an hour
-    plain = simulate(
-        trace,
-        nodes=1,
-        node=NODE,
-        pricing=SimPricing(signal=signal, deferrable_share=1.0, within_h=24, defer=False),
-    )
+    assert deferred.deferrable_wait is not None and deferred.deferrable_wait.max == 10 * HOUR
+    assert deferred.cost == pytest.approx(8 * 20 * 0.5)  # 8 GPUs x 20 x half an hour
+    without = SimPricing(signal=signal, deferrable_share=1.0, within_h=24, defer=False)
+    plain = simulate(trace, nodes=1, node=NODE, pricing=without)
     assert plain.deferred == 0 and plain.cost == pytest.approx(8 * 100 * 0.5)
 
 
@@ -70,13 +67,14 @@ def test_the_cost_is_the_sum_over_the_priced_hours(unit: str) -> None:
 def test_spot_interruptions_lose_progress_without_notice_and_none_with_it() -> None:
     trace = [job(1, 0, 8, 4 * HOUR), job(2, 0, 8, 3 * HOUR, queue="research")]
     lost = {}
-    for notice_s in (0.0, 120.0):
+    for notice_s in (0.0, 30.0, 120.0):
         spot = SimSpot(share=1.0, rate_per_node_h=1.0, notice_s=notice_s, seed=4)
         # check: busy time = useful + lost, every node within capacity, at every event
         result = simulate(trace, nodes=2, node=NODE, spot=spot, check=True)
         assert result.spot_nodes == 2 and result.interruptions > 0 and result.unfinished == 0
         lost[notice_s] = result.interrupt_lost_gpu_hours
-    assert lost[0.0] > 0 and lost[120.0] == 0
+    # 30 s is shorter than a checkpoint (60 s): the job keeps only its last periodic checkpoint.
+    assert lost[0.0] > 0 and lost[30.0] > 0 and lost[120.0] == 0
 
 
 def test_the_command_prices_a_trace_and_refuses_a_bad_signal_with_exit_2(tmp_path: Path) -> None:
