@@ -28,12 +28,14 @@ from tests.integration.conftest import Service
 from tests.support.sse import SseReader
 
 # No user needed: what monitoring reads (the health check, Prometheus' aggregate metrics) and the
-# trainers' telemetry (not a user's route).
+# jobs' own routes (not a user's: telemetry takes the attempt's report token, tests/integration/
+# test_report_token.py; credentials its single-use fetch token, tests/integration/test_credentials.py).
 PUBLIC = {
     ("GET", "/healthz"),
     ("GET", "/readyz"),
     ("GET", "/metrics"),
     ("POST", "/internal/jobs/{job_id}/telemetry"),
+    ("POST", "/internal/jobs/{job_id}/attempts/{attempt}/credentials"),
 }
 
 

@@ -42,6 +42,12 @@ parameters = {"query.follow" = false}
 include-path = "/internal/jobs/{job_id}/telemetry"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "403", "404", "409", "422"]
 
+# Credentials go only for the single-use fetch token of the job's current attempt, which no schema can
+# give.
+[[operations]]
+include-path = "/internal/jobs/{job_id}/attempts/{attempt}/credentials"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "403", "404", "409", "422"]
+
 # Its schema's pattern cannot say "2 to 20 different ids": a list of one id, or of one id repeated, is 422.
 [[operations]]
 include-path = "/compare"
