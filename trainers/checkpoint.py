@@ -1038,12 +1038,15 @@ class Checkpointer:
             self._retune(save_s=max(each.write_s for each in outcomes), step=outcome.step)
         self._report(path if complete else None, step=outcome.step)
         if complete:
-            uri = checkpoint_uri(
-                storage_uri=self.request.storage_uri,
-                run_name=self.request.run_name,
-                name=checkpoint_dir_name(outcome.step),
-            )
-            self.telemetry.checkpoint_saved(outcome.step, uri)
+            self.telemetry.checkpoint_saved(outcome.step, self.uri(outcome.step))
+
+    def uri(self, step: int) -> str:
+        """Where the checkpoint of `step` lies, as the control plane records it."""
+        return checkpoint_uri(
+            storage_uri=self.request.storage_uri,
+            run_name=self.request.run_name,
+            name=checkpoint_dir_name(step),
+        )
 
     def _retune(self, *, save_s: float, step: int) -> None:
         """checkpoint.auto (rank 0): the cadence for the save just measured; an event when it is the first

@@ -381,6 +381,11 @@ class TrainContext:
             + (f"from its checkpoint at step {resumed}" if resumed is not None else "from step 0"),
             world_size=self.world_size,
         )
+        if resumed is not None:
+            # The checkpoint the group resumed from is complete: the control plane records it if the
+            # attempt that wrote it died before reporting it (e.g. the run's last one, after which
+            # this attempt has no step left to take and no checkpoint to write).
+            self.telemetry.checkpoint_saved(resumed, self.checkpointer.uri(resumed), resumed=True)
 
     def _finish(self) -> None:
         """The loop returned (on every rank): complete the checkpoint in flight, and save the last

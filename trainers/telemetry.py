@@ -161,8 +161,16 @@ class Telemetry:
                     value,
                 )
 
-    def checkpoint_saved(self, step: int, uri: str) -> None:
-        logger.info("checkpoint at step %d persisted: %s", step, uri, extra={"step": step, "uri": uri})
+    def checkpoint_saved(self, step: int, uri: str, *, resumed: bool = False) -> None:
+        """Report a complete checkpoint: one just persisted, or (`resumed`) the one this worker group
+        resumed from, which the control plane may not have heard of (the attempt that wrote it may have
+        died before its report left)."""
+        logger.info(
+            "resuming from checkpoint at step %d: %s" if resumed else "checkpoint at step %d persisted: %s",
+            step,
+            uri,
+            extra={"step": step, "uri": uri},
+        )
         with self._lock:
             self._checkpoints.append(CheckpointRecord(step=step, uri=uri))
         self._wake.set()

@@ -86,7 +86,8 @@ def test_gpt_trains_checkpoints_sends_telemetry_and_resumes(
         assert any(f["cpu_percent"] for f in figures)
     loss = {p["step"]: p["values"]["loss"] for p in points if p["rank"] == 0}
     assert loss[30] < loss[1] - 0.5, loss
-    assert [c["step"] for c in telemetry_server.checkpoints()] == [10, 20, 30]
+    # The second run reports the checkpoint it resumed from too (the control plane may have missed it).
+    assert [c["step"] for c in telemetry_server.checkpoints()] == [10, 20, 20, 30]
     assert telemetry_server.checkpoints()[-1]["uri"] == second.checkpoint_uri
 
 

@@ -215,3 +215,27 @@ def test_a_rollback_without_a_checkpoint_gives_the_initial_state_back(tmp_path: 
     assert (context.step, context.skipped_batches) == (0, [(0, 0)])
     build(context, extra)
     assert extra == {"seen": []}
+
+
+def test_a_group_that_resumes_reports_the_checkpoint_it_resumed_from(tmp_path: Path) -> None:
+    """An attempt that died after writing the run's last checkpoint, before its report reached the
+    control plane: the next attempt resumes from it with no step left to take, and only its report of
+    that checkpoint tells the control plane that the job's latest checkpoint is the final one."""
+    whole = open_context(tmp_path)
+    feed(whole)
+    extra: dict[str, Any] = {"seen": []}
+    train(whole, *build(whole, extra), extra)
+    whole._finish()
+    assert [record.step for record in whole.telemetry._checkpoints] == [3, 6, 9, 10]
+
+    resumed = open_context(tmp_path)
+    assert resumed.resumed_from == 10
+    feed(resumed)
+    train(resumed, *build(resumed, {"seen": []}), {"seen": []})  # no step left
+    resumed._finish()
+    final = (tmp_path / "run" / checkpoint_dir_name(10)).as_uri()
+    assert [(record.step, record.uri) for record in resumed.telemetry._checkpoints] == [(10, final)]
+
+    fresh = open_context(tmp_path / "fresh")
+    build(fresh, {"seen": []})
+    assert list(fresh.telemetry._checkpoints) == []  # nothing to resume from: nothing reported
