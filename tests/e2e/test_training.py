@@ -1,6 +1,6 @@
-"""Through HTTP to a real local Ray: submit, train on 2 workers, checkpoint; preempt and resume
-exactly; cancel; fail clearly; a sweep whose ASHA prunes the diverging trials. (What becomes of
-serve's local Ray when serve crashes or stops cleanly is checked in tests/e2e/test_recovery.py, on
+"""Through HTTP to a real local Ray: submit, train on 2 workers, checkpoint; cancel; fail clearly; a
+sweep whose ASHA prunes the diverging trial. (A preemption and its exact resume, and what becomes of
+serve's local Ray when serve crashes or stops cleanly, are checked in tests/e2e/test_recovery.py, on
 the way to recovering a job through each.)"""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-import torch
 
 from api.client import ApiaryClient, ApiaryNotFound
 from api.schemas import JobPublic
@@ -81,36 +80,6 @@ def test_a_two_worker_job_trains_to_a_checkpoint_that_loads(
         client.logs(job.id, attempt=2)
 
 
-def test_a_preempted_job_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_run_does(
-    client: ApiaryClient, dataset: str
-) -> None:
-    spec = mlp_spec(dataset, name="e2e-whole", max_steps=150, checkpoint={"every_steps": 50})
-    whole = client.wait(client.submit(spec).id, timeout_s=300)
-    assert whole.state == "succeeded", whole
-
-    job = client.submit({**spec, "name": "e2e-preempted"})
-    wait_until(lambda: (client.get(job.id).latest_step or 0) >= 20, timeout_s=180, what="step 20")
-    assert client.preempt(job.id).state == "preempting"
-    job = client.wait(job.id, timeout_s=300)  # checkpoints, goes back to the queue, is readmitted
-    assert job.state == "succeeded", job
-    assert (job.attempt, job.preemptions) == (2, 1)
-    reasons = [event.reason for event in client.events(job.id)]
-    assert "preempted by e2e" in reasons
-    resumed = next(reason for reason in reasons if "resumes from its checkpoint at step" in reason)
-    stopped_at = int(resumed.split("checkpoint at step ")[1].split()[0])
-    assert 20 <= stopped_at < 150
-
-    # The run that was stopped and resumed took exactly the steps of the one that was not.
-    points = client.metrics(job.id, rank=0)
-    assert min(p.step for p in points if p.attempt == 2) == stopped_at + 1
-    whole_loss = {p.step: p.values["loss"] for p in client.metrics(whole.id, rank=0)}
-    resumed_loss = {p.step: p.values["loss"] for p in points if p.attempt == 2}
-    assert resumed_loss == {step: whole_loss[step] for step in resumed_loss}
-    final = build_model_from_checkpoint(urlparse(job.latest_checkpoint).path).state_dict()
-    reference = build_model_from_checkpoint(urlparse(whole.latest_checkpoint).path).state_dict()
-    assert all(torch.equal(final[name], tensor) for name, tensor in reference.items())
-
-
 def test_cancel_stops_the_ray_job(client: ApiaryClient, served: Served, dataset: str) -> None:
     job = client.submit(mlp_spec(dataset, name="e2e-long", max_steps=1_000_000, checkpoint={}))
     wait_for_state(client, job.id, "running")
@@ -162,10 +131,10 @@ def test_a_bad_dataset_fails_with_a_reason_a_user_can_act_on(client: ApiaryClien
 def test_a_sweep_prunes_the_diverging_lr_with_asha_and_reports_the_best(
     client: ApiaryClient, dataset: str
 ) -> None:
-    """A grid over lr (1000 diverges) and width, 2 trials at once: each diverging trial is compared
-    with the others at a rung, stopped with a checkpoint and ends `pruned`; the best is a converging
-    one. The trials' steps take milliseconds: 1500 of them outlast the sweep's passes (2 s) and the
-    telemetry's round trips (1 s each way) that carry a decision to a trial.
+    """A grid over lr (1000 diverges), both trials at once: the diverging trial is compared with the
+    other at a rung, stopped with a checkpoint and ends `pruned`; the best is the converging one. The
+    trials' steps take milliseconds: 1500 of them outlast the sweep's passes (2 s) and the telemetry's
+    round trips (1 s each way) that carry a decision to a trial.
     (A restart mid-sweep and the grid's exact coverage: tests/integration/test_sweeps.py.)"""
     base = mlp_spec(
         dataset,
@@ -182,7 +151,6 @@ def test_a_sweep_prunes_the_diverging_lr_with_asha_and_reports_the_best(
             "base": base,
             "space": {
                 "config.lr": {"choice": [0.05, 1000.0]},
-                "config.hidden_sizes": {"choice": [[8], [32]]},
             },
             "method": "grid",
             "parallel": 2,
@@ -197,8 +165,7 @@ def test_a_sweep_prunes_the_diverging_lr_with_asha_and_reports_the_best(
         what=f"sweep {sweep.id} ending",
     )
     assert done.state == "succeeded", done
-    points = {(t.params["config.lr"], tuple(t.params["config.hidden_sizes"])) for t in done.trials}
-    assert points == {(0.05, (8,)), (0.05, (32,)), (1000.0, (8,)), (1000.0, (32,))}, done.trials
+    assert sorted(t.params["config.lr"] for t in done.trials) == [0.05, 1000.0], done.trials
     for trial in done.trials:
         if trial.params["config.lr"] == 1000.0:
             assert trial.state == "pruned", trial

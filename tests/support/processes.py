@@ -25,15 +25,41 @@ def pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
 
-def train_workers() -> list[int]:
-    """Ray Train worker processes (their title is `ray::RayTrainWorker...`)."""
-    return [pid for pid in pids() if cmdline(pid).startswith("ray::RayTrainWorker")]
+def parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
-def job_driver(job_id: int) -> int | None:
-    """The `python -m trainers.launch` driver of Apiary job `job_id`."""
+def descends_from(pid: int, ancestor: int | None) -> bool:
+    """Whether `ancestor` (None: any) started `pid`, or started what started it, and so on."""
+    if ancestor is None:
+        return True
+    current: int | None = pid
+    while current is not None and current > 1:
+        if current == ancestor:
+            return True
+        current = parent(current)
+    return False
+
+
+def train_workers(ray: int | None = None) -> list[int]:
+    """Ray Train worker processes (their title is `ray::RayTrainWorker...`); with `ray`, only those of
+    the local Ray whose first process is `ray` (serve's local Ray: its pid), not another Ray's on the
+    same machine."""
+    workers = [pid for pid in pids() if cmdline(pid).startswith("ray::RayTrainWorker")]
+    return [pid for pid in workers if descends_from(pid, ray)]
+
+
+def job_driver(job_id: int, ray: int | None = None) -> int | None:
+    """The `python -m trainers.launch` driver of Apiary job `job_id` (of the local Ray `ray`)."""
     for pid in pids():
-        if "-m trainers.launch" in cmdline(pid) and f'"job_id":{job_id},' in environ(pid).replace(" ", ""):
+        if (
+            "-m trainers.launch" in cmdline(pid)
+            and f'"job_id":{job_id},' in environ(pid).replace(" ", "")
+            and descends_from(pid, ray)
+        ):
             return pid
     return None
 
