@@ -91,7 +91,7 @@ class BackgroundServer:
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the service did not start; see the log above")
-            time.sleep(0.1)
+            time.sleep(0.01)
 
     def stop(self, timeout_s: float = 90) -> None:
         self.server.should_exit = True
