@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,10 +70,30 @@ class S3Credentials(Strict):
 _credentials: S3Credentials | None = None
 
 
+# What the AWS SDKs (boto3, pyarrow, s3fs: the job's own code) read for each field.
+_AWS_ENV = {
+    "access_key": ("AWS_ACCESS_KEY_ID",),
+    "secret_key": ("AWS_SECRET_ACCESS_KEY",),
+    "session_token": ("AWS_SESSION_TOKEN",),
+    "region": ("AWS_REGION", "AWS_DEFAULT_REGION"),
+}
+
+
 def use_s3_credentials(credentials: S3Credentials | None) -> None:
-    """Every S3 filesystem this process resolves from now on (`resolve_uri`) uses `credentials`."""
+    """Every S3 filesystem this process resolves from now on (`resolve_uri`) uses `credentials`, and so
+    does the job's own code that reads S3 the usual way (the AWS SDKs' environment variables, set in
+    this process only: `os.environ` changes neither what Ray recorded nor `/proc/<pid>/environ`; a
+    process this one starts inherits them, as it would any of its variables)."""
     global _credentials
     _credentials = credentials
+    if credentials is None:
+        return
+    for key, names in _AWS_ENV.items():
+        value = getattr(credentials, key)
+        if value is None:
+            continue
+        for name in names:
+            os.environ[name] = value
 
 
 def s3_credentials() -> S3Credentials | None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
+
+import pytest
 
 from service.contract.handoff import new_token, write_handoff
 from service.contract.protocol import LaunchRequest
@@ -47,10 +50,17 @@ def test_it_round_trips_and_reads_the_token_from_the_handoff(tmp_path: Path) -> 
     assert LoopConfig.from_dict(LoopConfig(request=launch).to_dict()).token() is None
 
 
-def test_the_redeemed_credentials_reach_the_workers_and_read_tasks_in_memory(tmp_path: Path) -> None:
+def test_the_redeemed_credentials_reach_the_workers_and_read_tasks_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What the driver redeemed goes to each worker in the loop config (installed by `from_dict`), and
     on with every `ShardSource` and S3 filesystem it builds (pickled by Ray); the fetch token stays
-    behind."""
+    behind. The job's own code finds them where the AWS SDKs look, in the process's environment."""
+    # None at the start, and none left after (monkeypatch undoes its setenv).
+    aws = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION")
+    for name in (*aws, "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     launch = request(tmp_path)
     credentials = S3Credentials(
         access_key="ak", secret_key="sk-secret", session_token="st-secret", region="r1"
@@ -71,5 +81,9 @@ def test_the_redeemed_credentials_reach_the_workers_and_read_tasks_in_memory(tmp
         _, filesystem = resolve_uri("s3://b/d", s3_endpoint_url="http://127.0.0.1:1")
         # A read task or Train worker unpickles explicit credentials, with no AWS variable around.
         assert b"sk-secret" in pickle.dumps(filesystem)
+        # The job's own code (boto3, pyarrow's default chain) reads them from the environment.
+        assert os.environ["AWS_SECRET_ACCESS_KEY"] == "sk-secret"
+        assert os.environ["AWS_SESSION_TOKEN"] == "st-secret"
+        assert os.environ["AWS_REGION"] == os.environ["AWS_DEFAULT_REGION"] == "r1"
     finally:
         use_s3_credentials(None)
