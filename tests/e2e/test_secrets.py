@@ -67,9 +67,7 @@ def test_no_secret_of_a_real_run_is_written_under_the_data_dir(
             assert job.state == "succeeded", job
             # The local Ray's processes (its raylet, the job's idle workers) inherit no credential: the
             # driver redeemed them for its fetch token, and kept them in memory.
-            held = processes_holding(
-                aws["AWS_SECRET_ACCESS_KEY"].encode(), besides={os.getpid(), served.process.pid}
-            )
+            held = processes_holding(aws["AWS_SECRET_ACCESS_KEY"], besides={os.getpid(), served.process.pid})
             assert held == [], held
             assert job.latest_checkpoint is not None and job.latest_checkpoint.startswith(s3.checkpoints_uri)
         ray_temp = Path(served.ray_state()["temp_dir"])
