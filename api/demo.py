@@ -118,7 +118,10 @@ def run_demo_job(url: str, *, dataset: Path, steps: int, workers: int, console: 
                 shown_state = job.state
                 console.print(f"    state: [cyan]{shown_state}[/] ({time.monotonic() - started:.0f} s)")
             points = client.metrics(job.id, rank=0, min_step=last_step + 1)
-            for point in points[-1:]:
+            # The newest step each second, and the first step too: a short run may end within a second,
+            # and the loss it starts from is what shows that it learned.
+            shown = [points[0], points[-1]] if last_step < 0 and len(points) > 1 else points[-1:]
+            for point in shown:
                 last_step = point.step
                 values = point.values
                 console.print(
