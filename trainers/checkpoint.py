@@ -1029,6 +1029,7 @@ class Checkpointer:
         assert self._writer is not None and self._writer.in_flight is not None
         self.telemetry.progress("checkpoint")  # a large write may take minutes: not a hang
         outcome = self._writer.wait()
+        self.telemetry.deliver_before_checkpoint()  # every rank posts its points before the marker
         outcomes = _gather(outcome)
         path = self._writer.checkpoint_path(outcome.step)
         complete = self.rank == 0 and finish_checkpoint(path, self.filesystem, outcomes=outcomes)

@@ -22,7 +22,9 @@ function imported it; `trainers.ray_private.intercept_report`):
   does not name goes in the run's folder as `checkpoint_<step>` (`trainers.checkpoint`'s names), so
   a run resumed from one goes on counting from its step;
 - this rank's numeric metrics become a telemetry point at that step (`trainers.telemetry`: the
-  metrics endpoint, the streams, the web charts, Prometheus), and its phase goes to the control
+  metrics endpoint, the streams, the web charts, Prometheus), posted before a report that carries a
+  checkpoint goes to Ray Train (a group restarted from that checkpoint never takes those steps
+  again, so they must not die in a killed rank's buffer), and its phase goes to the control
   plane with every post (`sync` inside a report, `compute` between two), so the service's hang
   detection judges the time between reports;
 - a checkpoint Ray Train has persisted is recorded with the control plane (a checkpoint row, the
@@ -168,10 +170,14 @@ class Reports:
         step = _reported_step(metrics)
         step = self.step + 1 if step is None else step
         name = checkpoint_dir_name or dir_name_for(step)
+        self.telemetry.record(step, _numeric(metrics))
+        if checkpoint is not None:
+            # Ray Train resumes a restarted group from this checkpoint once every rank reported it: the
+            # points up to it must have left this rank by then, or a rank killed later loses them.
+            self.telemetry.deliver_before_checkpoint()
         self.telemetry.progress("sync")
         forward(metrics, checkpoint=checkpoint, checkpoint_dir_name=name, **options)
         self.step = step
-        self.telemetry.record(step, _numeric(metrics))
         if checkpoint is not None:
             self._steps[name] = step
         # Rank 0 records the group's checkpoint after its own metrics (retention's keep_best reads them

@@ -5,7 +5,10 @@ Each rank owns one `Telemetry` (`service.contract.protocol`'s telemetry channel)
 the buffered points as a `TelemetryBatch` JSON to the job's telemetry URL about once a second, or
 sooner when 200 points are waiting, and `close()` posts the rest. Rank 0 also calls
 `checkpoint_saved()` right after a checkpoint is persisted, which wakes the thread, and any rank
-`event()` for a fact that belongs in the job's timeline (a group start, an anomaly). Every post
+`event()` for a fact that belongs in the job's timeline (a group start, an anomaly). Before a
+checkpoint becomes the one to resume from, every rank posts its buffer on the training thread
+(`deliver_before_checkpoint()`): a rank killed after it is resumed there, and points left in its
+buffer would be lost for good. Every post
 carries the attempt and the worker group's `segment` (`service.contract.protocol.TelemetryBatch`), set once
 the ranks agreed on it. Until `start()` (or `with`), nothing is posted but by an explicit
 `flush()`. Every post also carries what this rank's process uses (`trainers.system`: CPU, memory,
@@ -216,6 +219,15 @@ class Telemetry:
         with self._lock:
             self._events.append(record)
         self._wake.set()
+
+    def deliver_before_checkpoint(self) -> None:
+        """Post what is buffered now, on the calling thread, before a checkpoint becomes the one to resume
+        from: a worker that dies after it is resumed there, the steps up to it are never taken again,
+        and points still in its buffer would be lost for good. Skipped while posts are failing (the
+        control plane is down: the background thread retries, and training must not wait on it)."""
+        if self._failing or self.url is None:
+            return
+        self.flush()
 
     @property
     def pending_points(self) -> int:

@@ -4,13 +4,18 @@ step of a report, the metrics a telemetry point carries. The run itself: tests/r
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from ray.train import Checkpoint
 
 from service.contract.protocol import MAX_VALUES_PER_POINT
-from trainers.ray_function import _numeric, _reported_step, call_with_config, step_of_checkpoint
+from tests.support.jobs import make_request, make_spec
+from tests.support.telemetry import TelemetryServer
+from trainers.ray_function import Reports, _numeric, _reported_step, call_with_config, step_of_checkpoint
+from trainers.telemetry import Telemetry
 
 
 def test_a_function_is_called_as_ray_calls_it() -> None:
@@ -54,3 +59,28 @@ def test_a_checkpoint_folder_names_its_step_unless_the_function_named_it() -> No
     assert step_of_checkpoint("/storage/run/checkpoint_00000012") == 12
     assert step_of_checkpoint("s3://bucket/run/checkpoint_00000003") == 3
     assert step_of_checkpoint("/storage/run/epoch-3") is None
+
+
+class Forwarded(Exception):
+    """Raised by the stand-in for Ray Train's report, once it has seen what had been delivered."""
+
+
+def test_a_report_with_a_checkpoint_goes_to_ray_train_after_its_points_were_delivered(
+    tmp_path: Path, telemetry_server: TelemetryServer
+) -> None:
+    # Ray Train resumes a restarted group from a reported checkpoint: a rank killed after it must not
+    # take the points up to it down with its buffer.
+    spec = make_spec(trainer="tests.support.own_loop:train", name="fn", dataset="file:///unused", config={})
+    telemetry = Telemetry(url=telemetry_server.url, attempt=1, rank=1)  # its thread never started
+    reports = Reports(make_request(spec, storage=tmp_path, run_name="run"), telemetry=telemetry, rank=1)
+    delivered: list[list[int]] = []
+
+    def forward(metrics: dict[str, Any], **options: Any) -> None:
+        delivered.append([point["step"] for batch in telemetry_server.batches for point in batch["points"]])
+        raise Forwarded
+
+    reports.step = 1  # as after a report without a checkpoint, whose point waits for the next post
+    telemetry.record(1, {"loss": 1.0})
+    with pytest.raises(Forwarded):
+        reports.report(forward, {"loss": 0.5}, Checkpoint(str(tmp_path)), None, {})
+    assert delivered == [[1, 2]]

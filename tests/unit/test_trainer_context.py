@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tests.support.jobs import make_request, make_spec
+from tests.support.telemetry import TelemetryServer
 from trainers.checkpoint import Checkpointer, checkpoint_dir_name, checkpoint_problem, load_checkpoint
 from trainers.context import TrainContext, metric_values
 from trainers.data import DatasetInfo
@@ -28,7 +29,7 @@ def no_ray_train_report(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return reported
 
 
-def open_context(storage: Path, **fields: Any) -> TrainContext:
+def open_context(storage: Path, *, telemetry_url: str | None = None, **fields: Any) -> TrainContext:
     spec = make_spec(
         trainer="tests.support.own_loop:train",
         name="own-loop",
@@ -38,7 +39,7 @@ def open_context(storage: Path, **fields: Any) -> TrainContext:
         **{"max_steps": 10, "checkpoint": {"every_steps": 3, "async": False}, **fields},
     )
     request = make_request(spec, storage=storage, run_name="run")
-    telemetry = Telemetry(url=None, attempt=1, rank=0)
+    telemetry = Telemetry(url=telemetry_url, attempt=1, rank=0)
     device = torch.device("cpu")
     checkpointer = Checkpointer(
         request,
@@ -125,6 +126,27 @@ def test_report_needs_the_state_and_increasing_steps(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="steps are integers that increase, the last was 1"):
         context.report(1, loss=1.0)
     assert context.telemetry.pending_points == 1
+
+
+def test_a_checkpoint_is_reported_only_once_the_metrics_up_to_it_were_delivered(
+    tmp_path: Path, telemetry_server: TelemetryServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker killed after a checkpoint is resumed from it: the steps up to it are never taken again,
+    # so their points, still in this rank's buffer, would be lost.
+    delivered_at_report: dict[int, list[int]] = {}
+
+    def report(self: Checkpointer, path: str | None, *, step: int) -> None:
+        delivered_at_report[step] = sorted(
+            point["step"] for batch in telemetry_server.batches for point in batch["points"]
+        )
+
+    monkeypatch.setattr(Checkpointer, "_report", report)
+    context = open_context(tmp_path, telemetry_url=telemetry_server.url)  # its thread never started
+    extra: dict[str, Any] = {"seen": []}
+    feed(context)
+    train(context, *build(context, extra), extra)
+    assert delivered_at_report[3] == [1, 2, 3]
+    assert delivered_at_report[9] == list(range(1, 10))
 
 
 def test_a_resumed_loop_takes_exactly_the_steps_of_an_undisturbed_one(
