@@ -10,6 +10,10 @@ required, a fake cluster), as `apiary serve` runs it. In one run:
    without a token, one after another, as fast as they are answered;
 the two phases alternate for `--rounds` rounds (the machine's other load then weighs on both).
 
+`--pin` stands for a deployment where the clients are other machines: the flooding process runs on
+the last CPU, the service and the probe on the others (`os.sched_setaffinity`; needs 2 CPUs or more).
+Without it all three share every core, and on a 2-core VM the p99 follows the flood's own CPU use.
+
 Printed: the probe's p50/p99 in both phases and their ratio (goal: p99 within 2x of the baseline's,
 and under 100 ms), and how many flood posts were answered, with which statuses and how fast. Before
 api.gate, each such post was read and parsed before its 401: four 7.5 MiB posts took `/healthz` from
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -37,6 +42,14 @@ import httpx  # noqa: E402
 from _common import command, machine  # noqa: E402
 
 from service.cluster import free_port  # noqa: E402
+
+
+def split_cpus() -> tuple[set[int], set[int]]:
+    """(the service's and the probe's CPUs, the flood's): the last CPU for the flood."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs at least 2 CPUs")
+    return set(cpus[:-1]), {cpus[-1]}
 
 
 def serve(*, port: int, data_dir: Path) -> None:
@@ -114,11 +127,18 @@ def main() -> None:
     parser.add_argument("--body-mib", type=float, default=8.0)
     parser.add_argument("--seconds", type=float, default=8.0, help="per phase of a round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--pin", action="store_true", help="the flood on the last CPU, the service and probe on the others"
+    )
     args = parser.parse_args()
+    service_cpus, flood_cpus = split_cpus() if args.pin else (None, None)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as folder:
         server = subprocess.Popen([sys.executable, __file__, "serve", str(port), folder])
+        if service_cpus:
+            os.sched_setaffinity(server.pid, service_cpus)
+            os.sched_setaffinity(0, service_cpus)  # the probe
         try:
             with httpx.Client(base_url=url, timeout=30) as http:
                 for _ in range(300):
@@ -140,6 +160,8 @@ def main() -> None:
                         stdout=subprocess.PIPE,
                         text=True,
                     )
+                    if flood_cpus:
+                        os.sched_setaffinity(flooder.pid, flood_cpus)
                     time.sleep(1.0)  # the flood is under way
                     flooded += probe(http, args.seconds)
                     out, _ = flooder.communicate(timeout=args.seconds + 120)
@@ -152,6 +174,11 @@ def main() -> None:
     p99_alone, p99_flooded = percentile(alone, 99), percentile(flooded, 99)
     print(f"# {machine()}")
     print(f"# {command()}")
+    if args.pin:
+        print(
+            f"# pinned: service and probe on CPUs {sorted(service_cpus or ())}, "
+            f"flood on {sorted(flood_cpus or ())}"
+        )
     print(f"/healthz alone:   p50 {1000 * statistics.median(alone):.1f} ms, p99 {1000 * p99_alone:.1f} ms")
     print(
         f"/healthz flooded: p50 {1000 * statistics.median(flooded):.1f} ms, p99 {1000 * p99_flooded:.1f} ms "
