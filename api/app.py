@@ -78,6 +78,7 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         try:
             yield
         finally:
+            streams.close_feeds(app.state)
             runtime.stop()
 
     app = FastAPI(

@@ -2,9 +2,12 @@
 
 The contract (event types, ids, resumption) is docs/jobs.md, "Live streams" and the API table. A
 stream lives only as long as its credential: it checks it again before each batch of messages it
-sends and at least every AUTH_RECHECK_S, and ends when it was revoked (or its web session ended).
-Each stream polls the database by row id past its cursor, in a worker thread, with a session per poll
-(none is held across the sleeps). sse-starlette frames the messages, sends the keep-alive comments and
+sends and at least every AUTH_RECHECK_S, and ends when it was revoked (or its web session ended);
+streams with the same credential share those checks (api.feeds.CredentialChecks). The streams of one
+job share one poll of the database by row id past a cursor (api.feeds: one feed per watched job,
+fanned out to each stream's bounded queue); the queues streams share one read of the queues per
+QUEUES_POLL_S (QueuesTracker). Polls run in a worker thread, with a session per poll (none is held
+across the sleeps). sse-starlette frames the messages, sends the keep-alive comments and
 ends a stream when its client goes away or the server stops (with a plain StreamingResponse, uvicorn
 waited on an open stream after SIGTERM).
 """
@@ -23,29 +26,26 @@ from fastapi.exceptions import RequestValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import AuthDep, JobsDep, authenticate_request
-from api.limits import PRINTABLE_PATTERN, JobId
-from api.schemas import (
-    EventPublic,
-    JobPublic,
-    MetricPublic,
-    MetricsPublic,
-    QueuePublic,
-    QueuesPublic,
-    error_responses,
+from api.deps import AuthDep, JobsDep
+from api.feeds import (
+    CredentialCheck,
+    CredentialChecks,
+    JobBatch,
+    JobCursor,
+    JobFeeds,
+    metrics_json,
+    poll_job,
 )
+from api.limits import PRINTABLE_PATTERN, JobId
+from api.schemas import QueuePublic, QueuesPublic, error_responses
 from service.auth import Auth
-from service.contract.errors import Unauthenticated
+from service.contract.errors import JobNotFound
 from service.jobs import JobService
 
 router = APIRouter(tags=["streams"])
 
-POLL_S = 0.5  # how often a job stream looks for new rows
 QUEUES_POLL_S = 1.0  # how often the queues are read again (shared by every queues stream)
 KEEP_ALIVE_S = 15.0  # a comment this often (sse-starlette sends it whatever else was sent)
-AUTH_RECHECK_S = 5.0  # at most this long between two checks of a stream's credential
-EVENTS_PER_POLL = 500
-METRICS_PER_POLL = 5_000
 
 
 SEP = "\n"  # sse-starlette's default is CRLF
@@ -77,73 +77,6 @@ def _bad_cursor(where: str, value: str) -> RequestValidationError:
 # "<event id>.<metric id>", as JobCursor writes it; "<event id>" alone means no metric yet (ids of at
 # most 16 digits: within a 64-bit column); "" = from the start.
 JOB_CURSOR_PATTERN = r"^([0-9]{1,16}(\.[0-9]{1,16})?)?$"
-
-
-@dataclass
-class JobCursor:
-    """Where a client of a job stream is: the last event row and metric row it was sent."""
-
-    event_id: int = 0
-    metric_id: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.event_id}.{self.metric_id}"
-
-    @classmethod
-    def parse(cls, value: str) -> JobCursor:
-        event_id, _, metric_id = value.partition(".")
-        cursor = cls(int(event_id), int(metric_id or 0))
-        if cursor.event_id < 0 or cursor.metric_id < 0:
-            raise ValueError(value)
-        return cursor
-
-
-@dataclass
-class JobPoll:
-    job: JobPublic
-    events: list[EventPublic]
-    metrics: list[MetricPublic]
-    metric_id: int
-    more: bool  # a batch was full: poll again without sleeping
-
-
-def _poll_job(jobs: JobService, job_id: int, cursor: JobCursor) -> JobPoll:
-    changes = jobs.changes_after(
-        job_id,
-        event_id=cursor.event_id,
-        metric_id=cursor.metric_id,
-        max_events=EVENTS_PER_POLL,
-        max_metrics=METRICS_PER_POLL,
-    )
-    events, metrics, metric_id = changes.events, changes.metrics, changes.metric_id
-    job = JobPublic.build(changes.job)
-    return JobPoll(
-        job=job,
-        events=[EventPublic.build(event) for event in events],
-        metrics=[MetricPublic.build(point) for point in metrics],
-        metric_id=metric_id,
-        more=len(events) == EVENTS_PER_POLL or metric_id - cursor.metric_id >= METRICS_PER_POLL,
-    )
-
-
-class CredentialCheck:
-    """A stream's credential, checked again (see the module docstring)."""
-
-    def __init__(self, auth: Auth, request: Request) -> None:
-        self.auth = auth
-        self.request = request
-        self.checked_at = time.monotonic()  # the route's own dependency checked it just now
-
-    async def still_valid(self, *, sending: bool) -> bool:
-        """Whether the stream may go on: checked now if it is about to send, or if it is time."""
-        if not sending and time.monotonic() - self.checked_at < AUTH_RECHECK_S:
-            return True
-        try:
-            await run_in_threadpool(authenticate_request, self.auth, self.request)
-        except Unauthenticated:
-            return False
-        self.checked_at = time.monotonic()
-        return True
 
 
 # Streams being served now (the tests check that a client going away ends its stream).
@@ -190,39 +123,138 @@ async def stream_job(
     except ValueError:
         assert resume is not None
         raise _bad_cursor("header" if last_event_id_header else "query", resume) from None
-    first = await run_in_threadpool(_poll_job, jobs, job_id, cursor)  # 404 here, before the stream starts
-    credential = CredentialCheck(auth, request)
+    # 404 here, before the stream starts.
+    first = await run_in_threadpool(poll_job, jobs, job_id, cursor, by="alone")
+    shared = _shared(request, auth, jobs)
+    credential = CredentialCheck(shared.checks, request)
+    return _event_stream(_job_messages(JobSent(cursor), first, shared.feeds, credential, jobs, job_id))
 
-    async def messages() -> AsyncIterator[ServerSentEvent]:
-        poll: JobPoll | None = first
-        sent_state: str | None = None
-        while True:
-            if poll is None:
-                poll = await run_in_threadpool(_poll_job, jobs, job_id, cursor)
-            # Each id covers exactly what was sent up to its message: a client that resumes from any
-            # of them misses nothing and gets nothing twice.
-            state = poll.job.model_dump_json()
-            sending = state != sent_state or bool(poll.events or poll.metrics) or poll.job.state.is_terminal
-            if not await credential.still_valid(sending=sending):
-                return
-            if state != sent_state:
-                yield sse("state", state, id=str(cursor))
-                sent_state = state
-            for event in poll.events:
-                cursor.event_id = event.id
-                yield sse("event", event.model_dump_json(), id=str(cursor))
-            cursor.metric_id = poll.metric_id  # also past rows left out (a newer segment replaced them)
-            if poll.metrics:
-                batch = MetricsPublic(data=poll.metrics, count=len(poll.metrics))
-                yield sse("metrics", batch.model_dump_json(), id=str(cursor))
-            if poll.job.state.is_terminal and not poll.more:
-                yield sse("end", json.dumps({"state": poll.job.state.value}), id=str(cursor))
-                return
-            if not poll.more:
-                await asyncio.sleep(POLL_S)
-            poll = None
 
-    return _event_stream(messages())
+@dataclass
+class JobSent:
+    """What a job stream sent: its cursor and the job's last state; what a batch adds to it."""
+
+    cursor: JobCursor
+    job: str | None = None
+    ended: bool = False
+
+    def news(self, batch: JobBatch) -> bool:
+        """Whether the batch holds anything this stream has not sent."""
+        return (
+            batch.job != self.job
+            or batch.terminal
+            or any(row > self.cursor.event_id for row, _ in batch.events)
+            or any(row > self.cursor.metric_id for row, _ in batch.metrics)
+        )
+
+    def messages(self, batch: JobBatch) -> list[ServerSentEvent]:
+        """The messages of what the batch adds. Each id covers exactly what was sent up to its message:
+        a client that resumes from any of them misses nothing and gets nothing twice."""
+        cursor, out = self.cursor, []
+        if batch.job != self.job:
+            out.append(sse("state", batch.job, id=str(cursor)))
+            self.job = batch.job
+        for row, event in batch.events:
+            if row > cursor.event_id:  # a watcher that caught up alone already sent the older ones
+                cursor.event_id = row
+                out.append(sse("event", event, id=str(cursor)))
+        new = [(row, point) for row, point in batch.metrics if row > cursor.metric_id]
+        cursor.metric_id = max(cursor.metric_id, batch.metric_id)
+        if new:
+            body = batch.metrics_json if len(new) == len(batch.metrics) else metrics_json([p for _, p in new])
+            out.append(sse("metrics", body, id=str(cursor)))
+        if batch.terminal and not batch.more:
+            out.append(sse("end", json.dumps({"state": batch.state}), id=str(cursor)))
+            self.ended = True
+        return out
+
+
+async def _job_messages(
+    sent: JobSent,
+    batch: JobBatch,
+    feeds: JobFeeds,
+    credential: CredentialCheck,
+    jobs: JobService,
+    job_id: int,
+) -> AsyncIterator[ServerSentEvent]:
+    """Catch up alone, join the job's feed, send what it hands out; alone again when dropped (the
+    protocol is api.feeds')."""
+
+    async def alone() -> JobBatch | None:
+        try:
+            return await run_in_threadpool(poll_job, jobs, job_id, sent.cursor, by="alone")
+        except JobNotFound:  # deleted while watched
+            return None
+
+    async def send(batch: JobBatch) -> AsyncIterator[ServerSentEvent]:
+        news = sent.news(batch)
+        if not await credential.still_valid(read_at=batch.read_at if news else None):
+            sent.ended = True
+            return
+        if news:
+            for message in sent.messages(batch):
+                yield message
+
+    first: JobBatch | None = batch
+    while True:
+        while first is not None:  # alone, until a poll comes back not full
+            async for message in send(first):
+                yield message
+            if sent.ended:
+                return
+            if not first.more:
+                break
+            first = await alone()
+        if first is None:
+            return
+        watcher, catch_up = feeds.watch(job_id, sent.cursor)
+        try:
+            while catch_up:
+                caught = await alone()
+                if caught is None:
+                    return
+                async for message in send(caught):
+                    yield message
+                if sent.ended:
+                    return
+                catch_up = caught.more
+            while not sent.ended:
+                batch_or_none = await watcher.next(timeout_s=credential.wait_s())
+                if batch_or_none is None:
+                    if watcher.lagged or watcher.closed:
+                        break
+                    if not await credential.still_valid(read_at=None):
+                        return
+                    continue
+                async for message in send(batch_or_none):
+                    yield message
+        finally:
+            watcher.leave()
+        if sent.ended:
+            return
+        first = await alone()  # dropped (a slow client) or the feed ended: alone again from the cursor
+
+
+@dataclass
+class Shared:
+    """What the streams of one app share: the job feeds and the credential re-checks."""
+
+    feeds: JobFeeds
+    checks: CredentialChecks
+
+
+def _shared(request: Request, auth: Auth, jobs: JobService) -> Shared:
+    shared: Shared | None = getattr(request.app.state, "stream_shared", None)
+    if shared is None:
+        shared = request.app.state.stream_shared = Shared(JobFeeds(jobs), CredentialChecks(auth))
+    return shared
+
+
+def close_feeds(app_state: object) -> None:
+    """Stop the job feeds of an app that stops (its streams end with it)."""
+    shared: Shared | None = getattr(app_state, "stream_shared", None)
+    if shared is not None:
+        shared.feeds.close()
 
 
 @dataclass
@@ -234,20 +266,24 @@ class QueuesTracker:
 
     version: int = field(default_factory=lambda: int(time.time()))
     body: str | None = None
-    read_at: float = -1e9
+    read_at: float = -1e9  # monotonic, when the last read started
+    reads: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    async def latest(self, jobs: JobService) -> tuple[int, str]:
+    async def latest(self, jobs: JobService) -> tuple[int, str, float]:
+        """The current version, its body, and when it was read."""
         async with self.lock:
             if time.monotonic() - self.read_at >= QUEUES_POLL_S:
+                started = time.monotonic()
+                self.reads += 1
                 views = await run_in_threadpool(jobs.queues)
                 body = QueuesPublic(data=[QueuePublic.build(view) for view in views]).model_dump_json()
-                self.read_at = time.monotonic()
+                self.read_at = started
                 if body != self.body:
                     self.body = body
                     self.version += 1
             assert self.body is not None
-            return self.version, self.body
+            return self.version, self.body, self.read_at
 
 
 def _tracker(request: Request) -> QueuesTracker:
@@ -271,13 +307,13 @@ async def stream_queues(
     """GET /queues' body as a server-sent event at connect and whenever it changes."""
     tracker = _tracker(request)
     resume = _resume_from(last_event_id_header, last_event_id)
-    credential = CredentialCheck(auth, request)
+    credential = CredentialCheck(_shared(request, auth, jobs).checks, request)
 
     async def messages() -> AsyncIterator[ServerSentEvent]:
         sent = resume
         while True:
-            version, body = await tracker.latest(jobs)
-            if not await credential.still_valid(sending=str(version) != sent):
+            version, body, read_at = await tracker.latest(jobs)
+            if not await credential.still_valid(read_at=read_at if str(version) != sent else None):
                 return
             if str(version) != sent:
                 yield sse("queues", body, id=str(version))
