@@ -37,6 +37,12 @@ def watch(service: Service, job_id: int, **headers: str) -> SseReader:
     return SseReader(str(service.http.base_url), f"/jobs/{job_id}/stream", headers=headers)
 
 
+def alone_polls_settled(for_s: float) -> bool:
+    polls = feeds.polls["alone"]
+    time.sleep(for_s)
+    return feeds.polls["alone"] == polls
+
+
 def seen(messages: list[Message]) -> tuple[list[int], list[tuple[int, int]]]:
     """The event ids and the (step, rank) points a stream sent, in its order."""
     events = [m.data["id"] for m in messages if m.event == "event"]
@@ -56,6 +62,8 @@ def test_every_watcher_gets_every_event_once_in_order_from_one_poll(
         for reader in readers:
             reader.until("metrics")  # caught up alone: step 0
         wait_until(lambda: feeds.watching == WATCHERS, timeout_s=10, what="every stream in the feed")
+        # A stream that joined a running feed catches up alone once more, just after it joined.
+        wait_until(lambda: alone_polls_settled(0.3), timeout_s=10, what="the last catch-ups")
         before = dict(feeds.polls)
         started = time.monotonic()
         for step in range(1, 6):  # while they watch, at about the feed's own pace
