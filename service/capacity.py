@@ -15,9 +15,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from service.contract.spec import JobSpec, Placement
+from service.contract.spec import JobSpec, Placement, SpotUse
 
 EPSILON = 1e-9
+
+# Spot (docs/spot-and-cheaper-hours.md): every node's free capacity carries one of two marks, as a
+# resource no bundle can run out of, so that the placement arithmetic keeps a `never` gang off spot
+# nodes (its workers ask for the on-demand mark) with no other change; a `preferred` worker carries
+# PREFER_SPOT (amount 0: asks for nothing) and `place` tries the spot nodes first for it. The marks
+# never reach Ray, the totals people read (`format_resources`), or a share.
+SPOT_NODE = "apiary:spot-node"
+ON_DEMAND_NODE = "apiary:on-demand-node"
+PREFER_SPOT = "apiary:prefer-spot"
+MARKS = frozenset({SPOT_NODE, ON_DEMAND_NODE, PREFER_SPOT})
+_MARK_AMOUNT = 1e12
 
 Resources = Mapping[str, float]
 
@@ -38,6 +49,11 @@ class NodeCapacity:
     # What Ray reports in use on the node, by anyone (Apiary's own jobs included); None: not known,
     # and then capacity is the total less Apiary's own gangs (glossary: foreign use).
     used: Resources | None = None
+    spot: bool = False  # a spot node: it may be taken back, with a notice (labelled spot=true)
+
+    def free(self) -> dict[str, float]:
+        """The node's capacity as the placement arithmetic starts from it: its resources and its mark."""
+        return {**self.resources, SPOT_NODE if self.spot else ON_DEMAND_NODE: _MARK_AMOUNT}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,12 +126,22 @@ class Gang:
 
 def fits_empty_cluster(cluster: ClusterSnapshot, gang: Gang) -> bool:
     """Could this gang ever run here, with nothing else running?"""
-    return can_place([dict(node.resources) for node in cluster.nodes], gang.bundles())
+    return can_place([node.free() for node in cluster.nodes], gang.bundles())
 
 
 def capacity_text(cluster: ClusterSnapshot) -> str:
     resources = sum_resources([dict(node.resources) for node in cluster.nodes])
-    return f"{len(cluster.nodes)} node(s) with {format_resources(resources)}"
+    text = f"{len(cluster.nodes)} node(s) with {format_resources(resources)}"
+    spot = [node for node in cluster.nodes if node.spot]
+    if spot:
+        spot_resources = sum_resources([dict(node.resources) for node in spot])
+        text += f", of which {len(spot)} spot node(s) with {format_resources(spot_resources)}"
+    return text
+
+
+def spot_capacity(cluster: ClusterSnapshot) -> dict[str, float]:
+    """What the spot nodes hold, summed (their total, not what is free)."""
+    return sum_resources([dict(node.resources) for node in cluster.nodes if node.spot])
 
 
 def take_foreign(
@@ -171,23 +197,32 @@ def place(
     """
     taken: list[tuple[int, Resources]] = []
     first: dict[int, int] = {}  # id of a bundle object -> where the last of its copies went
+    spot_first: list[int] | None = None  # node indices, spot nodes first (for PREFER_SPOT bundles)
     for bundle in bundles:
         shape = tuple(bundle.items()) if hints is not None else ()
         after = first.get(id(bundle))
         # The next copy of a bundle goes on the node of the last one or later; a spread one, later.
         start = 0 if after is None else after + isinstance(bundle, SpreadBundle)
-        start = max(start, hints.get(shape, 0) if hints is not None else 0)
-        node_index = next((i for i in range(start, len(free)) if fits(free[i], bundle)), None)
-        if node_index is None:
+        order: Sequence[int] = range(len(free))
+        if PREFER_SPOT in bundle:
+            # The same rule in the order spot nodes first; `first` then holds positions in that order.
+            if spot_first is None:
+                spot_first = sorted(order, key=lambda i: free[i].get(SPOT_NODE, 0.0) <= 0)
+            order = spot_first
+        elif hints is not None:
+            start = max(start, hints.get(shape, 0))
+        position = next((p for p in range(start, len(free)) if fits(free[order[p]], bundle)), None)
+        if position is None:
             if allow_partial:
                 continue
             release(free, taken)
             return []
+        node_index = order[position]
         for key, amount in bundle.items():
             free[node_index][key] = free[node_index].get(key, 0.0) - amount
         taken.append((node_index, bundle))
-        first[id(bundle)] = node_index
-        if hints is not None:
+        first[id(bundle)] = position
+        if hints is not None and PREFER_SPOT not in bundle:
             hints[shape] = node_index
     return taken
 
@@ -246,8 +281,21 @@ def subtract(into: dict[str, float], amounts: Resources) -> None:
 
 
 def format_resources(resources: Resources) -> str:
-    parts = [f"{amount:g} {key}" for key, amount in sorted(resources.items()) if abs(amount) > EPSILON]
+    parts = [
+        f"{amount:g} {key}"
+        for key, amount in sorted(resources.items())
+        if abs(amount) > EPSILON and key not in MARKS
+    ]
     return ", ".join(parts) or "nothing"
+
+
+# What a worker of each kind of job asks of a node's marks (the extra, Ray Data's tasks, goes anywhere:
+# Ray's label selector holds the placement group, not the tasks).
+_SPOT_MARKS: dict[SpotUse, dict[str, float]] = {
+    SpotUse.ALLOWED: {},
+    SpotUse.NEVER: {ON_DEMAND_NODE: 1.0},
+    SpotUse.PREFERRED: {PREFER_SPOT: 0.0},
+}
 
 
 def gang_for(
@@ -261,7 +309,7 @@ def gang_for(
         num_workers=spec.min_workers,
         max_workers=spec.max_workers if spec.is_elastic else None,
         per_worker=(SpreadBundle if spec.placement is Placement.STRICT_SPREAD else dict)(
-            spec.resources_per_worker
+            {**spec.resources_per_worker, **_SPOT_MARKS[spec.spot_use]}
         ),
         extra={"CPU": data_cpus},
         owner=owner,

@@ -38,6 +38,7 @@ import httpx
 
 from service.capacity import ClusterSnapshot, NodeCapacity, format_resources
 from service.contract.errors import ClusterUnavailable
+from service.contract.spec import is_spot_node
 
 if TYPE_CHECKING:
     from ray.util.state.common import NodeState
@@ -169,6 +170,7 @@ class RayBackend:
                     node_id=node.node_id,
                     resources=(total := _schedulable(node.resources_total or {})),
                     used=_node_used(total, by_key.get(node.node_id)),
+                    spot=is_spot_node(node.labels or {}, total),
                 )
                 for node in alive
             ),

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 from service import auth, compare, logs, plateau, profiles, tracking
 from service.allowlists import OwnPlaces, check_dataset, check_trainer
 from service.auth import User
-from service.capacity import ClusterSnapshot, capacity_text, fits_empty_cluster, gang_for
+from service.capacity import MARKS, ClusterSnapshot, capacity_text, fits_empty_cluster, gang_for
 from service.cluster import ClusterBackend, local_ray_temp_dir, stop_job
 from service.code import CodeStore, Incoming, sha256_of, trainer_in_code
 from service.contract.code import mib, read_package, shadowed
@@ -64,7 +64,7 @@ from service.contract.protocol import (
     TelemetryReply,
 )
 from service.contract.queues import QueueConfig
-from service.contract.spec import JobSpec, PlateauAction, PlateauSpec, Queue
+from service.contract.spec import JobSpec, PlateauAction, PlateauSpec, Queue, SpotUse
 from service.contract.states import JobState, StopReason
 from service.contract.storage import S3Credentials, node_local
 from service.contract.trainer_kind import TrainerKind, TrainerNotDefined, kind_of_trainer, kind_refusal
@@ -183,7 +183,8 @@ def in_use_by_queue(jobs: Iterable[Job], *, data_cpus: float) -> dict[str, dict[
         gang = gang_for(job.id, JobSpec.model_validate(job.spec), data_cpus=data_cpus)
         held = in_use.setdefault(job.queue, {})
         for key, amount in gang.totals.items():
-            held[key] = held.get(key, 0.0) + amount
+            if key not in MARKS:
+                held[key] = held.get(key, 0.0) + amount
     return in_use
 
 
@@ -945,6 +946,8 @@ class JobService:
             )
         if spec.max_runtime_s is None and queue.default_max_runtime_s is not None:
             spec = spec.model_copy(update={"max_runtime_s": queue.default_max_runtime_s})
+        if spec.spot is None:
+            spec = spec.model_copy(update={"spot": spec.spot_use})
         if queue.max_runtime_s is not None and (spec.max_runtime_s or math.inf) > queue.max_runtime_s:
             raise InvalidSpec(
                 f"queue {spec.queue.value} takes jobs of at most max_runtime_s {queue.max_runtime_s:g}: "
@@ -974,10 +977,13 @@ class JobService:
             )
         gang = gang_for(0, spec, data_cpus=self.settings.data_cpus_per_job)
         if not fits_empty_cluster(cluster, gang):
+            never = spec.spot_use is SpotUse.NEVER and any(node.spot for node in cluster.nodes)
             raise Unschedulable(
                 f"the job needs {spec.min_workers} worker(s) x {spec.resources_per_worker} "
-                f"plus {self.settings.data_cpus_per_job:g} CPU for data loading, but the cluster has "
-                f"{capacity_text(cluster)}: use fewer workers or smaller resources_per_worker",
+                f"plus {self.settings.data_cpus_per_job:g} CPU for data loading"
+                + (" on on-demand nodes (spot: never)" if never else "")
+                + f", but the cluster has {capacity_text(cluster)}: use fewer workers or smaller "
+                "resources_per_worker" + (", or allow spot nodes (spot: allowed)" if never else ""),
                 field="num_workers",
             )
 

@@ -76,7 +76,7 @@ from service.contract.protocol import (
     error_line,
     find_module,
 )
-from service.contract.spec import JobSpec
+from service.contract.spec import ON_DEMAND_SELECTOR, JobSpec, SpotUse
 from service.contract.storage import checkpoint_uri, resolve_uri, use_s3_credentials
 from service.contract.trainer_kind import (
     CONTEXT_TYPE,
@@ -438,6 +438,8 @@ def build_scaling_config(spec: JobSpec) -> ray.train.ScalingConfig:
         use_gpu=spec.uses_gpu,
         resources_per_worker=dict(spec.resources_per_worker),
         placement_strategy=spec.placement.upper(),
+        # A `never` job's placement group is held off spot nodes (those labelled spot=true).
+        label_selector=dict(ON_DEMAND_SELECTOR) if spec.spot_use is SpotUse.NEVER else None,  # type: ignore[call-arg]
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -88,6 +88,39 @@ class Placement(StrEnum):
     PACK = "pack"  # as few nodes as possible (Ray's default)
     SPREAD = "spread"  # over as many nodes as it can, best effort
     STRICT_SPREAD = "strict_spread"  # every worker on a node of its own, or the job waits
+
+
+class SpotUse(StrEnum):
+    """Whether a job's workers may run on spot nodes (capacity that may be taken back, with a notice)."""
+
+    ALLOWED = "allowed"  # on spot or on-demand nodes, whichever is free (research's default)
+    NEVER = "never"  # on-demand nodes only: admission counts only them, Ray's placement is held to them
+    PREFERRED = "preferred"  # spot nodes first; on-demand where the spot nodes cannot take the gang
+
+    @classmethod
+    def default_for(cls, queue: Queue) -> SpotUse:
+        return cls.NEVER if queue is Queue.FULL_SCALE else cls.ALLOWED
+
+
+# A spot node carries the Ray node label `spot=true` (`ray start --labels spot=true`: the primary mark),
+# or Ray's own `ray.io/market-type=spot` (Ray sets it from RAY_NODE_MARKET_TYPE, as KubeRay may); both
+# hold Ray's placement. The custom resource `spot` (`--resources '{"spot": 1}'`) is accepted too, but
+# only admission and the counts see it: Ray cannot keep a `never` job off such a node (docs/deploy.md).
+SPOT_LABEL = "spot"
+MARKET_TYPE_LABEL = "ray.io/market-type"
+SPOT_RESOURCE = "spot"
+# What a `never` job's workers ask of Ray (ScalingConfig.label_selector): a node with neither label.
+# A node without the label matches `!value` (checked on Ray 2.60: tests/ray/test_spot_placement.py).
+ON_DEMAND_SELECTOR = {SPOT_LABEL: "!true", MARKET_TYPE_LABEL: "!spot"}
+
+
+def is_spot_node(labels: Mapping[str, str], resources: Mapping[str, float]) -> bool:
+    """Whether a Ray node, by its labels and resources, is a spot node (the marks above)."""
+    return (
+        labels.get(SPOT_LABEL) == "true"
+        or labels.get(MARKET_TYPE_LABEL) == "spot"
+        or resources.get(SPOT_RESOURCE, 0.0) > 0
+    )
 
 
 class Strict(BaseModel):
@@ -484,6 +517,12 @@ class JobSpec(Strict):
         description="pack | spread | strict_spread (each worker on its own node): Ray Train's "
         "placement strategy for the worker group, which the scheduler's admission follows.",
     )
+    spot: SpotUse | None = Field(
+        default=None,
+        description="allowed | never | preferred: whether the workers may run on spot nodes (never: "
+        "on-demand nodes only; preferred: spot nodes first). None: the queue's default (research "
+        "allowed, full-scale never), which the service writes into the stored spec.",
+    )
     strategy: Strategy = Strategy.DDP
     fsdp: FsdpSpec = Field(default_factory=FsdpSpec, description="FSDP2 choices, for strategy fsdp.")
     precision: Literal["fp32", "bf16"] = Field(
@@ -707,6 +746,11 @@ class JobSpec(Strict):
         if self.batch_size is None:
             raise ValueError(f"batch_size: required for trainer {self.trainer} (a recipe)")
         return self.batch_size
+
+    @property
+    def spot_use(self) -> SpotUse:
+        """`spot`, or its queue's default where a spec says nothing (one stored before the field)."""
+        return self.spot if self.spot is not None else SpotUse.default_for(self.queue)
 
     @property
     def uses_gpu(self) -> bool:

@@ -88,6 +88,8 @@ from typing import NamedTuple
 
 from service.capacity import (
     EPSILON,
+    MARKS,
+    ON_DEMAND_NODE,
     ClusterSnapshot,
     Gang,
     Resources,
@@ -423,10 +425,14 @@ class _State:
         queues: QueuesConfig,
         rules: Rules = RULES,
     ) -> _State:
-        free = [dict(node.resources) for node in cluster.nodes]
+        free = [node.free() for node in cluster.nodes]
         totals = sum_resources(free)
         shares = {
-            queue: {key: total * queues.of(queue).share_of(key) for key, total in totals.items()}
+            # The spot marks (service.capacity.MARKS) are where a gang may go, not an amount to share.
+            queue: {
+                key: total * (1.0 if key in MARKS else queues.of(queue).share_of(key))
+                for key, total in totals.items()
+            }
             for queue in QUEUE_ORDER
         }
         state = cls(
@@ -679,7 +685,7 @@ def _explain(
         # The first job still waiting is the queue's head now (the rule-2 head may have started).
         head = waiting_line[0]
         at = reserved_at[head.job_id] if head.job_id in reserved_at else state.reserve(head, now=now).at
-        reason = f"needs {_gang_text(head)}; free now {free_text}; " + (
+        reason = f"needs {_gang_text(head)}; free now {_free_for(head, state, free_text)}; " + (
             f"reserved from {_clock(at)}" if at is not None else "no running job is known to end"
         )
         behind = f"waiting behind job {head.job_id} (head of queue {queue})"
@@ -750,7 +756,7 @@ def decide_greedy(
 def _one_line(
     cluster: ClusterSnapshot, queued: Sequence[Gang], active: Sequence[Gang], *, strict: bool
 ) -> Decisions:
-    free = [dict(node.resources) for node in cluster.nodes]
+    free = [node.free() for node in cluster.nodes]
     for gang in active:
         if gang.placement is not None:
             place_at(free, gang.bundles(), gang.placement)
@@ -798,7 +804,17 @@ def dominant_share(gang: Gang, totals: Resources) -> float:
 
 def _gang_text(gang: Gang) -> str:
     text = f"{gang.num_workers} worker(s) x {format_resources(gang.per_worker)}"
+    if ON_DEMAND_NODE in gang.per_worker:
+        text += " on on-demand nodes (spot: never)"
     return f"{text} + {format_resources(gang.extra)}" if any(gang.extra.values()) else text
+
+
+def _free_for(gang: Gang, state: _State, free_text: str) -> str:
+    """What is free for `gang`: a `never` gang sees the on-demand nodes only."""
+    if ON_DEMAND_NODE not in gang.per_worker:
+        return free_text
+    on_demand = sum_resources(free for free in state.free if free.get(ON_DEMAND_NODE, 0.0) > 0)
+    return f"{format_resources(on_demand)} on on-demand nodes ({free_text} in all)"
 
 
 def _ids(ids: Sequence[int]) -> str:

@@ -81,7 +81,7 @@ def decide_share_first(
     **_: object,
 ) -> Decisions:
     """The module docstring's rules."""
-    free = [dict(node.resources) for node in cluster.nodes]
+    free = [node.free() for node in cluster.nodes]
     totals = sum_resources(free)
     share = {
         q: {k: v * queues.of(q).share_of(k) for k, v in totals.items()} for q in ("research", "full-scale")

@@ -786,7 +786,7 @@ def _priced(result: SimResult, runs: Mapping[int, _Run], *, pricing: SimPricing,
 
 def _check_invariants(running: Mapping[int, _Run], cluster: ClusterSnapshot) -> None:
     """No node over capacity; every running gang whole (a placement for each of its bundles)."""
-    free = [dict(node.resources) for node in cluster.nodes]
+    free = [node.free() for node in cluster.nodes]
     for run in running.values():
         bundles = run.gang.bundles()
         if len(run.placement) != len(bundles):

@@ -15,6 +15,7 @@ from service.cluster import ClusterBackend, RayJobInfo, RayJobStatus
 from service.contract.errors import ClusterUnavailable
 from service.contract.handoff import read_launch, read_token
 from service.contract.protocol import LAUNCH_ENV_VAR, LAUNCH_MODULE, LaunchPointer, LaunchRequest
+from service.contract.spec import is_spot_node
 
 
 @dataclass
@@ -54,7 +55,11 @@ class FakeBackend:
         if self.capacity is not None:
             return self.capacity.snapshot()
         return ClusterSnapshot(
-            nodes=tuple(NodeCapacity(node_id=f"node-{i}", resources=r) for i, r in enumerate(self.nodes))
+            # A node with the custom resource `spot` is a spot node (service.contract.spec.is_spot_node).
+            nodes=tuple(
+                NodeCapacity(node_id=f"node-{i}", resources=r, spot=is_spot_node({}, r))
+                for i, r in enumerate(self.nodes)
+            )
         )
 
     def submit(

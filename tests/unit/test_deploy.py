@@ -22,7 +22,7 @@ from pydantic import AliasChoices
 from sqlalchemy.engine import make_url
 
 from api.cli import app
-from service.contract.spec import JobSpec, parse_spec_text
+from service.contract.spec import JobSpec, is_spot_node, parse_spec_text
 from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -246,6 +246,17 @@ def test_kuberay_example_uses_the_same_settings_and_token() -> None:
     assert api["APIARY_RAY_AUTH_TOKEN"] == environments["ray-head"]["RAY_AUTH_TOKEN"]
     assert api["APIARY_RAY_ADDRESS"] == "http://apiary-head-svc:8265"  # KubeRay's name for the head
     assert api["APIARY_MIGRATE_ON_START"] == "false"
+
+
+def test_kuberay_example_labels_its_spot_group_as_apiary_reads_it() -> None:
+    """`rayStartParams.labels` becomes `ray start --labels spot=true` (key=value pairs, comma-separated)."""
+    (cluster,) = [document for document in KUBERAY if document["kind"] == "RayCluster"]
+    spot = {}
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        pairs = group["rayStartParams"].get("labels", "")
+        labels = dict(pair.split("=", 1) for pair in pairs.split(",") if pair)
+        spot[group["groupName"]] = is_spot_node(labels, {"CPU": 8})
+    assert spot == {"cpu": False, "cpu-spot": True}
 
 
 def test_settings_read_docker_secret_files_under_the_environment(
