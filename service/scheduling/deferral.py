@@ -4,9 +4,15 @@ Glossary:
 - deadline: when the job must be done (`DeferrableSpec.deadline`).
 - duration: how long the job holds its gang, an upper bound where one is known: its `max_runtime_s`
   (it is stopped then), else history's estimate (service.scheduling.estimates).
-- last start: `deadline - duration - margin_s`, where the margin is the scheduler's tick interval: a
-  job held at one tick is looked at again at most a tick later, so it still starts by
-  `deadline - duration`.
+- expected wait: how long a job of its queue that joins the line now is expected to wait there for
+  capacity: the longest of the queue's last `WAIT_SAMPLES` admissions' waits (`RecentWaits`;
+  a wait counts from the time the job joined the line: its submission or requeue, or the start of the
+  window it was held for). What the service has seen, never what a job will do; 0 before any admission.
+- last start: `deadline - duration - margin_s - expected wait`, where the margin is the scheduler's
+  tick interval: a job held at one tick is looked at again at most a tick later, so it still joins the
+  line by `deadline - duration - expected wait`. A job held to its last start on a busy cluster then
+  still has the wait the queue's recent jobs had before it must start; without that term it joined the
+  line just in time to start, and under load waited past its deadline.
 - cost of a start time t: the signal's value integrated over [t, t + duration]; time the signal does
   not cover (beyond its horizon, or a gap) costs its highest value, so a job never waits for hours
   nobody has priced.
@@ -17,20 +23,27 @@ The cost of a start time is piecewise linear in t between the times where t or t
 boundary of the signal, so its minimum over [now, last start] is at one of those times or at an end
 of the range: those are the only candidates.
 
-Invariants: the window's start is in [now, last start] (never past it: deferral never makes a job
-miss its deadline); a job whose last start has come is not deferred.
+Invariants: the window's start is in [now, last start] (never past it); a job whose last start has
+come is not deferred. Deferral cannot promise that a job released at its last start then finds
+capacity within the expected wait: the queue's business, as for every job (docs/spot-and-cheaper-hours.md
+says what the simulator measured).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import time
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from service.contract.signal import Signal
 
 # Two costs this close (relative) are equal: the earlier start wins, whatever the float rounding.
 TOLERANCE = 1e-9
+# The expected wait of a queue: the longest of its last this many admissions' waits.
+WAIT_SAMPLES = 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,14 +84,32 @@ def cheapest_window(
     return Window(start_at=best_at, end_at=best_at + duration_s, last_start_at=last_start, cost=best_cost)
 
 
+class RecentWaits:
+    """Each queue's last `WAIT_SAMPLES` admission waits, and the expected wait they give (glossary)."""
+
+    def __init__(self, samples: int = WAIT_SAMPLES) -> None:
+        self._samples = samples
+        self._waits: dict[str, deque[float]] = {}
+
+    def add(self, queue: str, wait_s: float) -> None:
+        if math.isfinite(wait_s):
+            self._waits.setdefault(queue, deque(maxlen=self._samples)).append(max(0.0, wait_s))
+
+    def expected(self) -> dict[str, float]:
+        """Per queue, the longest of its recent waits; a queue with none is absent."""
+        return {queue: max(waits) for queue, waits in self._waits.items() if waits}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Deferral:
     """What the policy needs to defer jobs: the signal (None when it cannot be read: deferrable jobs
-    then start like any other, and `unavailable` says why in their waiting reasons) and the margin."""
+    then start like any other, and `unavailable` says why in their waiting reasons), the margin, and
+    each queue's expected wait (glossary)."""
 
     signal: Signal | None
     margin_s: float = 0.0
     unavailable: str = ""
+    expected_wait_s: Mapping[str, float] = field(default_factory=dict)
 
 
 def clock_text(at: float, *, now: float) -> str:

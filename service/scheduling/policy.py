@@ -328,7 +328,7 @@ def _defer(
                 now=now,
                 duration_s=duration_s,
                 deadline=gang.deadline,
-                margin_s=deferral.margin_s,
+                margin_s=deferral.margin_s + deferral.expected_wait_s.get(gang.queue, 0.0),
             )
         if window is not None and window.start_at > now:
             deferred[gang.job_id] = (gang, window)

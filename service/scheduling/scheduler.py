@@ -82,9 +82,18 @@ from service.costs import PriceSignal, Rates, accrue
 from service.observability import Metrics
 from service.planning.formulas import time_to_finish_s
 from service.planning.measured import observed_mtbf
+from service.scheduling.deferral import WAIT_SAMPLES, RecentWaits
 from service.scheduling.estimates import job_size, live_remaining_s
 from service.scheduling.history import LiveHistory, to_time
-from service.scheduling.policy import Decisions, Preemption, Wait, decayed_usage, decide, dominant_share
+from service.scheduling.policy import (
+    QUEUE_ORDER,
+    Decisions,
+    Preemption,
+    Wait,
+    decayed_usage,
+    decide,
+    dominant_share,
+)
 from service.scheduling.retention import Retention
 from service.settings import Settings
 from service.store import repository
@@ -143,6 +152,11 @@ class Scheduler:
             cpu_power_kw=settings.cpu_power_kw,
         )
         self._charging: set[int] = set()
+        # Each queue's recent admission waits, whose longest sets how early a deferred job must join
+        # the line (service.scheduling.deferral: expected wait): read from the database with the
+        # history, then fed with each admission. A deferred job's wait counts from its window's start.
+        self.waits = RecentWaits()
+        self._window_at: dict[int, float] = {}
         # What the log last said of other Ray users' use and of Ray's pending demand (said on change).
         self._others_said = f"other Ray users hold {format_resources({})}"
         self._stop = threading.Event()
@@ -623,6 +637,10 @@ class Scheduler:
                 self.history.learn(session, ended)
             else:
                 self.history.load(session)
+                self.waits = RecentWaits()
+                for queue in QUEUE_ORDER:
+                    for wait_s in repository.recent_admission_waits(session, queue, limit=WAIT_SAMPLES):
+                        self.waits.add(queue, wait_s)
             self._forget_changed(rows)
             self._learn_specs(session, [row.id for row in rows])
             stored_usage = repository.owner_usage(session)
@@ -643,7 +661,10 @@ class Scheduler:
         unreachable = self._unreachable_storage(cluster)
         held, queued = (queued, []) if unreachable else ([], queued)
         # A job held for its window is looked at again a tick later: it starts by its last start.
-        deferral = self.prices.deferral(now, margin_s=self.settings.scheduler_interval_s)
+        deferral = replace(
+            self.prices.deferral(now, margin_s=self.settings.scheduler_interval_s),
+            expected_wait_s=self.waits.expected(),
+        )
         self._keep_ledgers(rows, now=now)
         decisions = decide(
             cluster=cluster,
@@ -660,6 +681,7 @@ class Scheduler:
             }
             decisions = replace(decisions, waiting={**decisions.waiting, **waiting})
         self._note_others(decisions, cluster)
+        self._window_at.update(decisions.deferred_until)
         for victim in decisions.preempt:
             self._preempt(victim)
         for job_id in decisions.admit:
@@ -738,6 +760,7 @@ class Scheduler:
     def _forget(self, job_id: int) -> None:
         del self._templates[job_id], self._facts[job_id]
         self._estimates.pop(job_id, None)
+        self._window_at.pop(job_id, None)
 
     def _unreachable_storage(self, cluster: ClusterSnapshot) -> str:
         """Why no job can start: checkpoint storage that the cluster's other nodes cannot reach (a local
@@ -975,7 +998,10 @@ class Scheduler:
                 credentials_redeemed_at=None,
             )
             launch = Handoff(request=self._launch_request(job, spec), token=token, fetch_token=fetch_token)
-        self.metrics.job_admitted(queue=job.queue, waited_s=time.time() - (queued_at or time.time()))
+        admitted_at = time.time()
+        self.metrics.job_admitted(queue=job.queue, waited_s=admitted_at - (queued_at or admitted_at))
+        joined = max(queued_at or admitted_at, self._window_at.pop(job_id, 0.0))
+        self.waits.add(job.queue, admitted_at - joined)
         self._submit(job_id, launch)
 
     def _launch_request(self, job: Job, spec: JobSpec) -> LaunchRequest:

@@ -49,7 +49,7 @@ from service.capacity import ClusterSnapshot, Gang, NodeCapacity, fits_empty_clu
 from service.contract.queues import DEFAULT_QUEUES, QueuesConfig
 from service.contract.signal import Point, Signal
 from service.costs import Rates, accrue
-from service.scheduling.deferral import Deferral
+from service.scheduling.deferral import Deferral, RecentWaits
 from service.scheduling.estimates import SIZE_CLASSES, History, pace_error, simulated_remaining_s, size_class
 from service.scheduling.policy import POLICIES as BASE_POLICIES
 from service.scheduling.policy import RULES, Policy, Rules, decayed_usage, dominant_share
@@ -510,6 +510,10 @@ def simulate(
     refused = 0
     signal = None if pricing.signal is None else in_trace_time(pricing.signal, start_at=pricing.start_at)
     deferral = Deferral(signal=signal) if signal is not None and pricing.defer else None
+    # Each queue's recent admission waits (as the live scheduler keeps them), from joining the line:
+    # a deferred job joins it when its window begins.
+    recent_waits = RecentWaits()
+    window_at: dict[int, float] = {}
     marks = np.random.default_rng([pricing.seed, 1]).random(len(jobs))
     for index, job in enumerate(jobs):
         why, limit = limits(job, queues)
@@ -680,6 +684,8 @@ def simulate(
         if not waiting:
             continue
         active = [_active_gang(run, now=now) for run in running.values()]
+        if deferral is not None:
+            deferral = replace(deferral, expected_wait_s=recent_waits.expected())
         result = decide(
             cluster=cluster,
             queued=[queued_gang(run) for run in waiting.values()],
@@ -693,6 +699,7 @@ def simulate(
         )
         decisions += 1
         for job_id, start_at in result.deferred_until.items():
+            window_at[job_id] = start_at
             runs[job_id].deferred = True
             if start_at > now and start_at not in wakes:
                 wakes.add(start_at)
@@ -722,7 +729,9 @@ def simulate(
             queued_gang(run)
             run.expected_s = estimates[job_id][1]
             run.first_start = now if run.first_start is None else run.first_start
-            run.queued_s += now - (run.queued_since if run.queued_since is not None else now)
+            queued_since = run.queued_since if run.queued_since is not None else now
+            recent_waits.add(run.job.queue, now - max(queued_since, window_at.pop(job_id, 0.0)))
+            run.queued_s += now - queued_since
             run.queued_since = None
             run.placement = result.placements[job_id]
             run.version += 1

@@ -316,6 +316,37 @@ def queued_since(session: Session, job_id: int) -> datetime | None:
     return session.scalar(query)
 
 
+def recent_admission_waits(session: Session, queue: str, *, limit: int) -> list[float]:
+    """The waits of `queue`'s last `limit` admissions, oldest first, each from the job's entry into the
+    queue before it (its submission or requeue) to the admission. Admissions of deferrable jobs are left
+    out (their wait includes the hours they were held for a cheaper window, which the database does not
+    keep)."""
+    admitted, queued = aliased(JobEvent), aliased(JobEvent)
+    joined = (
+        select(func.max(queued.at))
+        .where(
+            queued.job_id == admitted.job_id,
+            queued.id < admitted.id,
+            queued.to_state == JobState.QUEUED,
+            or_(queued.from_state.is_(None), queued.from_state != JobState.QUEUED),
+        )
+        .correlate(admitted)
+        .scalar_subquery()
+    )
+    rows = session.execute(
+        select(admitted.at, joined)
+        .join(Job, Job.id == admitted.job_id)
+        .where(
+            Job.queue == queue,
+            admitted.to_state == JobState.ADMITTED,
+            admitted.reason.not_like("%deferrable:%"),
+        )
+        .order_by(admitted.id.desc())
+        .limit(limit)
+    ).all()
+    return [(_aware(at) - _aware(since)).total_seconds() for at, since in reversed(rows) if since is not None]
+
+
 def waiting_line(session: Session, queue: str, *, limit: int, offset: int = 0) -> list[Job]:
     """`limit` queued jobs of `queue` from `offset`, in the order the scheduler last gave them."""
     query = (

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from api.cli import app
 from service.cluster import RayJobStatus
+from service.scheduling.deferral import clock_text
 from tests.integration.conftest import Service
 
 H = 3600.0
@@ -26,8 +27,9 @@ QUEUES = {
 SPEC_FIELDS = {"name": "job", "max_steps": 100}  # one worker + 1 data CPU: 2 CPU a job
 
 
-def clock(at: float) -> str:
-    return time.strftime("%H:%M", time.gmtime(at))
+def clock(at: float, *, now: float) -> str:
+    """As a waiting reason writes a time seen at `now` (its date too on another day)."""
+    return clock_text(at, now=now)
 
 
 def iso(at: float) -> str:
@@ -67,14 +69,15 @@ def test_a_deferred_job_waits_for_the_cheap_window_or_its_last_start_and_costs_a
     assert started(service, plain["id"])
     waiting = service.job(within["id"])
     assert waiting["state"] == "queued"
+    last_start = datetime.fromisoformat(within["created_at"]).timestamp() + 7 * H - 1
     assert waiting["waiting_reason"] == (
-        f"waits for the cheaper window {clock(now + 2 * H)}-{clock(now + 3 * H)} UTC; "
-        f"must start by {clock(datetime.fromisoformat(within['created_at']).timestamp() + 7 * H - 1)} UTC"
+        f"waits for the cheaper window {clock(now + 2 * H, now=now)}-{clock(now + 3 * H, now=now + 2 * H)} "
+        f"UTC; must start by {clock(last_start, now=now)} UTC"
     )
     assert datetime.fromisoformat(waiting["eta_at"]).timestamp() == pytest.approx(now + 2 * H, abs=1)
     # Its last start comes before the cheap hours: it waits for that, the cheapest it can still make.
     last = now + 1.5 * H - 1  # a tick's margin (scheduler_interval_s)
-    assert service.job(by["id"])["waiting_reason"].endswith(f"must start by {clock(last)} UTC")
+    assert service.job(by["id"])["waiting_reason"].endswith(f"must start by {clock(last, now=now)} UTC")
 
     service.tick(last - 60)
     assert service.job(by["id"])["state"] == "queued"
@@ -140,3 +143,46 @@ def test_deferrable_is_validated_at_submission(service: Service, spec: dict[str,
         assert response.status_code == 422, response.text
         fields = [".".join(map(str, d["loc"][1:])) for d in response.json()["detail"]]
         assert field in fields, response.text
+
+
+def test_a_queues_recent_waits_are_read_back_after_a_restart_without_deferred_jobs_waits(
+    start_service: Callable[..., Service], spec: dict[str, Any]
+) -> None:
+    """The expected wait that moves a deferred job's last start earlier (service.scheduling.deferral)
+    survives a restart or a change of leader: a new scheduler reads each queue's recent admissions."""
+    from sqlalchemy import select, update
+
+    from service.scheduling.scheduler import Scheduler
+    from service.store import repository
+    from service.store.models import JobEvent
+
+    service = start_service(queues=QUEUES, nodes=[{"CPU": 2.0}])  # one job at a time
+    first, second, third = (service.submit({**spec, "name": name}) for name in ("first", "second", "third"))
+    for job in (first, second, third):
+        service.tick()
+        admitted = service.job(job["id"])
+        assert admitted["state"] == "admitted", admitted
+        service.backend.statuses[admitted["ray_submission_id"]] = RayJobStatus.SUCCEEDED
+        service.tick()
+    db = service.runtime.db
+    assert db is not None
+    with db.session() as session:
+        # The second waited an hour in the line; the third was held for a cheaper window (its wait is
+        # not the line's).
+        [second_queued] = session.scalars(
+            select(JobEvent).where(JobEvent.job_id == second["id"], JobEvent.to_state == "queued")
+        )
+        second_queued.at = second_queued.at - timedelta(hours=1)
+        session.execute(
+            update(JobEvent)
+            .where(JobEvent.job_id == third["id"], JobEvent.to_state == "admitted")
+            .values(reason=JobEvent.reason + "; deferrable: its cheaper window has come")
+        )
+    with db.session() as session:
+        waits = repository.recent_admission_waits(session, "research", limit=20)
+        assert repository.recent_admission_waits(session, "full-scale", limit=20) == []
+    assert len(waits) == 2 and waits[0] < 60 and waits[1] == pytest.approx(H, abs=60)
+
+    restarted = Scheduler(db=db, backend=service.backend, settings=service.runtime.settings)
+    restarted.schedule(time.time())  # its first pass reads them, with the history
+    assert restarted.waits.expected() == {"research": pytest.approx(H, abs=60)}

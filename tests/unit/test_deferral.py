@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from service.capacity import ClusterSnapshot, Gang, NodeCapacity
 from service.contract.signal import Signal, build_signal
-from service.scheduling.deferral import Deferral, cheapest_window, cost_of
+from service.scheduling.deferral import WAIT_SAMPLES, Deferral, RecentWaits, cheapest_window, cost_of
 from service.scheduling.policy import decide
 
 H = 3600.0
@@ -87,6 +87,35 @@ def test_at_its_last_start_it_is_admitted_like_any_other_job() -> None:
     admitted = run([gang], now=deadline - 2 * H - 60, deferral=Deferral(signal=signal, margin_s=60))
     assert admitted.admit == (1,)
     assert admitted.deferral_notes == {1: "deferrable: its last start has come"}
+
+
+def test_a_queue_whose_jobs_wait_makes_a_deferred_job_join_the_line_that_much_earlier() -> None:
+    # Under load a job released at its last start waits in the line like the queue's recent jobs did:
+    # it must join the line by then, not start by then.
+    signal = hourly([5.0] * 17 + [4.0] * 31)  # cheaper from 17:00
+    gang = job(deadline=DAY + 22 * H, max_runtime_s=2 * H)
+    alone = run([gang], deferral=Deferral(signal=signal, margin_s=60))
+    assert alone.waiting[1].reason == "waits for the cheaper window 17:00-19:00 UTC; must start by 19:59 UTC"
+    waits = {"research": 3 * H, "full-scale": 10 * H}
+    held = run([gang], deferral=Deferral(signal=signal, margin_s=60, expected_wait_s=waits))
+    assert held.waiting[1].reason == "waits for the cheaper window 16:59-18:59 UTC; must start by 16:59 UTC"
+    late = run([gang], now=DAY + 17 * H, deferral=Deferral(signal=signal, margin_s=60, expected_wait_s=waits))
+    assert late.admit == (1,) and late.deferral_notes == {1: "deferrable: its last start has come"}
+    # Less slack than the queue's wait: not deferred at all.
+    assert run([gang], deferral=Deferral(signal=signal, expected_wait_s={"research": 8 * H})).admit == (1,)
+
+
+def test_the_expected_wait_is_the_longest_of_the_queues_recent_admissions() -> None:
+    waits = RecentWaits()
+    assert waits.expected() == {}
+    waits.add("research", 600.0)
+    waits.add("research", -5.0)  # clocks of two replicas: never below nothing
+    waits.add("research", math.nan)  # never counted
+    assert waits.expected() == {"research": 600.0}
+    for _ in range(WAIT_SAMPLES):
+        waits.add("research", 60.0)
+    waits.add("full-scale", 7200.0)
+    assert waits.expected() == {"research": 60.0, "full-scale": 7200.0}  # the 600 s is no longer recent
 
 
 def test_unpriced_hours_are_never_waited_for() -> None:
