@@ -248,7 +248,9 @@ def test_a_deletion_that_fails_while_s3_is_down_stays_deleting_and_succeeds_late
 def test_a_pass_stops_deleting_when_its_time_is_up_and_the_next_pass_goes_on(
     s3_job: Callable[..., tuple[Service, int]], proxy: TcpProxy
 ) -> None:
-    service, job_id = s3_job()
+    # Its ticks carry a time taken before the first: a lease of 60 s still holds at the second whatever
+    # the machine's load (with the default 5 s a slow first pass let it lapse, and nothing was tried).
+    service, job_id = s3_job(scheduler_lease_s=60.0)
     service.runtime.scheduler.retention.max_pass_s = 0.0  # type: ignore[union-attr]
     proxy.close()  # each try lasts past the budget: one a pass
     now = time.time()
