@@ -23,6 +23,7 @@ from api.routes import (
     jobs,
     logs,
     metrics,
+    nodes,
     plan,
     queues,
     streams,
@@ -113,6 +114,7 @@ def create_app(settings: Settings | None = None, *, runtime: Runtime | None = No
         compare.router,
         tracking.router,
         sweeps.router,
+        nodes.router,
     )
     for router in routers:
         app.include_router(router, dependencies=[Depends(get_current_user)], responses=AUTH_RESPONSES)

@@ -32,6 +32,7 @@ from service.contract.errors import (
     JobNotStarted,
     LastAdminToken,
     LogsNotFound,
+    NodeNotFound,
     ReportRefused,
     SweepNotFound,
     TokenNotFound,
@@ -46,6 +47,7 @@ RETRY_AFTER_S = 5
 
 STATUS: dict[type[ApiaryError], int] = {
     JobNotFound: 404,
+    NodeNotFound: 404,
     SweepNotFound: 404,
     InvalidSpec: 422,
     InvalidTransition: 409,

@@ -34,6 +34,8 @@ PRINTABLE_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*$"
 
 JobId = Annotated[int, Path(ge=1, le=MAX_INT, description="The job's id.")]
 TokenId = Annotated[int, Path(ge=1, le=MAX_INT, description="The token's id.")]
+# A Ray node id: 28 bytes, in hex.
+NodeId = Annotated[str, Path(pattern=r"^[0-9a-f]{56}$", description="The Ray node's id (hex).")]
 
 
 CODE_PREFIX = "/code/"

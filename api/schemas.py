@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from service.contract.queues import QueueConfig
-from service.contract.spec import MAX_PRIORITY, Bool, Int, JobSpec, Queue
+from service.contract.spec import MAX_PRIORITY, Bool, Float, Int, JobSpec, Queue
 from service.contract.states import CheckpointState, JobState
 
 if TYPE_CHECKING:  # the SDK (api.client) reads these schemas without the database's modules
@@ -490,3 +490,29 @@ class SweepPublic(BaseModel):
 class SweepsPublic(BaseModel):
     data: list[SweepPublic]
     count: int
+
+
+class NodeDrainCreate(BaseModel):
+    """POST /admin/nodes/{id}/drain (admins): the node goes away in `deadline_s` (a spot notice)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    deadline_s: Float = Field(
+        gt=0, le=7 * 24 * 3600, description="Seconds until the node goes (e.g. 120 for an AWS spot notice)."
+    )
+    reason: str = Field(
+        default="spot interruption notice",
+        max_length=500,
+        pattern=r"^[^\x00-\x1f\x7f-\x9f]*$",
+        description="Why, for the jobs' events and logs.",
+    )
+
+
+class NodeDrainPublic(BaseModel):
+    node_id: str
+    deadline_at: UtcDatetime = Field(description="When it goes: the earliest deadline told.")
+    requested_by: str
+    ray_drain: str = Field(
+        description="`accepted`: Ray drains the node too (it places nothing new there); else why Ray was "
+        "not asked or refused (Apiary honours the drain anyway)."
+    )

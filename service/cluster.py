@@ -39,6 +39,7 @@ import httpx
 from service.capacity import ClusterSnapshot, NodeCapacity, format_resources
 from service.contract.errors import ClusterUnavailable
 from service.contract.spec import is_spot_node
+from service.ray_drains import GcsDrains
 
 if TYPE_CHECKING:
     from ray.util.state.common import NodeState
@@ -84,6 +85,14 @@ class ClusterBackend(Protocol):
 
     def stop(self, submission_id: str) -> None: ...
 
+    def draining_nodes(self) -> dict[str, float | None]:
+        """The nodes Ray drains: node id -> the Unix time by which each goes (None: no deadline)."""
+        ...
+
+    def drain_node(self, node_id: str, *, deadline_at: float, reason: str) -> str | None:
+        """Ask Ray to drain a node by `deadline_at`: None when it accepted, else why not."""
+        ...
+
 
 class CurrentBackend:
     """The one holder of the service's cluster backend: the job service, the scheduler and the routes
@@ -127,14 +136,26 @@ class CurrentBackend:
     def stop(self, submission_id: str) -> None:
         self.current.stop(submission_id)
 
+    def draining_nodes(self) -> dict[str, float | None]:
+        return self.current.draining_nodes()
+
+    def drain_node(self, node_id: str, *, deadline_at: float, reason: str) -> str | None:
+        return self.current.drain_node(node_id, deadline_at=deadline_at, reason=reason)
+
 
 class RayBackend:
     def __init__(
-        self, dashboard_url: str, *, auth_token_path: Path | None = None, auth_token: str | None = None
+        self,
+        dashboard_url: str,
+        *,
+        auth_token_path: Path | None = None,
+        auth_token: str | None = None,
+        gcs_address: str | None = None,
     ) -> None:
         """`auth_token_path` (the local Ray's file) or `auth_token` (APIARY_RAY_AUTH_TOKEN): the token
         of a cluster with Ray's token auth, sent as `Authorization: Bearer` on every Jobs and State
-        API call."""
+        API call. `gcs_address` (host:port, APIARY_RAY_GCS_ADDRESS for an existing cluster): where node
+        drains are read and asked for (service.ray_drains); without it, none are seen from Ray."""
         if auth_token_path is not None:
             # Ray's clients read these from the environment (some of it once, when Ray is first
             # imported): this process talks to this one cluster.
@@ -147,6 +168,7 @@ class RayBackend:
         token = auth_token_path.read_text().strip() if auth_token_path is not None else auth_token
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._usage_problem: str | None = None  # why Ray's use is not known, as last logged
+        self._drains = GcsDrains(gcs_address) if gcs_address else None
         try:
             self._jobs = JobSubmissionClient(self.dashboard_url)
         except Exception as err:  # Ray raises plain exceptions (ConnectionError, RuntimeError)
@@ -279,6 +301,14 @@ class RayBackend:
             self._jobs.stop_job(submission_id)
         except Exception as err:
             raise ClusterUnavailable(f"cannot stop Ray job {submission_id}: {err}") from err
+
+    def draining_nodes(self) -> dict[str, float | None]:
+        return self._drains.draining() if self._drains is not None else {}
+
+    def drain_node(self, node_id: str, *, deadline_at: float, reason: str) -> str | None:
+        if self._drains is None:
+            return "the Ray cluster's GCS address is not known (APIARY_RAY_GCS_ADDRESS)"
+        return self._drains.drain(node_id, deadline_at=deadline_at, reason=reason)
 
 
 def submission_prefix(job_id: int, attempt: int) -> str:

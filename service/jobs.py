@@ -620,6 +620,8 @@ class JobService:
                 repository.set_checkpoint(
                     session, job, step=batch.checkpoint.step, uri=batch.checkpoint.uri, attempt=batch.attempt
                 )
+                if batch.checkpoint.write_s is not None:
+                    job.checkpoint_write_s = batch.checkpoint.write_s
             if current and job.state is JobState.RUNNING:
                 _judge_plateau(session, job, batch.points)
             stop = job.state is JobState.PREEMPTING

@@ -18,6 +18,7 @@ from service.cluster import (
     token_auth_env,
 )
 from service.contract.errors import ClusterUnavailable
+from service.drains import DrainService
 from service.jobs import JobService
 from service.observability import Metrics
 from service.scheduling.scheduler import Scheduler
@@ -74,6 +75,11 @@ class Runtime:
         return self._auth
 
     @property
+    def drains(self) -> DrainService:
+        assert self.db is not None, "Runtime.start() first"
+        return DrainService(db=self.db, backend=self.backend)
+
+    @property
     def scheduler(self) -> Scheduler:
         assert self._scheduler is not None, "Runtime.start() first"
         return self._scheduler
@@ -123,14 +129,20 @@ class Runtime:
     def _connect_ray(self) -> ClusterBackend:
         if self.settings.ray_address:
             return RayBackend(
-                self.settings.ray_address, auth_token=secret_value(self.settings.ray_auth_token)
+                self.settings.ray_address,
+                auth_token=secret_value(self.settings.ray_auth_token),
+                gcs_address=self.settings.ray_gcs_address,
             )
         self.local_ray = LocalRay.start_or_reuse(
             data_dir=self.settings.data_dir,
             num_cpus=self.settings.local_ray_cpus,
             withheld=self.settings.local_ray_withheld_env(),
         )
-        backend = RayBackend(self.local_ray.dashboard_url, auth_token_path=self.local_ray.auth_token_path)
+        backend = RayBackend(
+            self.local_ray.dashboard_url,
+            auth_token_path=self.local_ray.auth_token_path,
+            gcs_address=self.local_ray.gcs_address,
+        )
         backend.wait_for_nodes()
         return backend
 

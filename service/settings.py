@@ -60,6 +60,12 @@ class Settings(BaseSettings):
         description="Token of an existing Ray cluster that runs with token auth (RAY_AUTH_MODE=token); "
         "the service sends it with every Jobs and State API call. The local Ray makes its own.",
     )
+    ray_gcs_address: str | None = Field(
+        default=None,
+        description="host:port of an existing Ray cluster's GCS (`ray start --head --port`; KubeRay: the "
+        "head service, port 6379): where the service reads and asks for node drains (spot notices). "
+        "Without it, only drains told to `POST /admin/nodes/{id}/drain` are seen.",
+    )
     storage_uri: str | None = Field(
         default=None, description="Checkpoint root; default {data_dir}/checkpoints."
     )

@@ -1039,7 +1039,8 @@ class Checkpointer:
             self._retune(save_s=max(each.write_s for each in outcomes), step=outcome.step)
         self._report(path if complete else None, step=outcome.step)
         if complete:
-            self.telemetry.checkpoint_saved(outcome.step, self.uri(outcome.step))
+            write_s = max(each.write_s for each in outcomes)
+            self.telemetry.checkpoint_saved(outcome.step, self.uri(outcome.step), write_s=write_s)
 
     def uri(self, step: int) -> str:
         """Where the checkpoint of `step` lies, as the control plane records it."""

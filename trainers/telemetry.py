@@ -164,7 +164,9 @@ class Telemetry:
                     value,
                 )
 
-    def checkpoint_saved(self, step: int, uri: str, *, resumed: bool = False) -> None:
+    def checkpoint_saved(
+        self, step: int, uri: str, *, resumed: bool = False, write_s: float | None = None
+    ) -> None:
         """Report a complete checkpoint: one just persisted, or (`resumed`) the one this worker group
         resumed from, which the control plane may not have heard of (the attempt that wrote it may have
         died before its report left)."""
@@ -175,7 +177,7 @@ class Telemetry:
             extra={"step": step, "uri": uri},
         )
         with self._lock:
-            self._checkpoints.append(CheckpointRecord(step=step, uri=uri))
+            self._checkpoints.append(CheckpointRecord(step=step, uri=uri, write_s=write_s))
         self._wake.set()
 
     def progress(self, phase: str, *, step: int | None = None) -> None:

@@ -17,6 +17,10 @@ class JobNotFound(ApiaryError):
     """No job has this id."""
 
 
+class NodeNotFound(ApiaryError):
+    """The Ray cluster has no alive node with this id."""
+
+
 class SweepNotFound(ApiaryError):
     """No sweep has this id."""
 

@@ -185,6 +185,13 @@ class CheckpointRecord(Strict):
 
     step: Int = Field(le=MAX_INT, ge=0)
     uri: str = Field(max_length=MAX_URI_CHARS, pattern=NO_NUL)
+    write_s: Float | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_INT,
+        description="How long its slowest rank took to write it (its copy included); None: not measured "
+        "(a resumed checkpoint, an older trainer). A node drain's deadline is weighed against it.",
+    )
 
 
 # The event a worker group's rank 0 posts when it starts (its step: the step it resumed from).

@@ -22,7 +22,7 @@ service died between admitting and submitting) goes `admitted → queued`.
 `preempting` means the job was told to checkpoint and stop (`jobs.stop_requested`
 says why: the policy or a user preempted it, or it ran out of `max_runtime_s`);
 it still holds its gang. Once its Ray job has ended it goes back to `queued`
-(preempted, the service is stopping, or its gang lost a node and no longer fits:
+(preempted, the service is stopping, a node of its gang drains, or its gang lost a node and no longer fits:
 it keeps its place and resumes from that checkpoint), to `failed` (out of
 runtime), or to `succeeded` (it reached `max_steps` first, or it was stopped early on a loss plateau).
 `recovering` means the job's Ray job was lost to something that is not the job's
@@ -78,6 +78,9 @@ class StopReason(StrEnum):
     # Its gang no longer fits the cluster's alive nodes (a node left): stopped at once (its group is
     # broken, no checkpoint can be taken), requeued, not counted; it resumes when capacity is back.
     LOST_CAPACITY = "lost_capacity"
+    # A node it has a rank on drains (a spot notice, service.drains): it checkpoints at its next step
+    # boundary before the node's deadline, or is stopped before it; requeued, not counted.
+    DRAINED = "drained"
     # A sweep's trial that lost at a rung (service.sweeps): pruned once stopped.
     PRUNED = "pruned"
     # Its `plateau.metric` stopped improving and `on_plateau` is stop (service.plateau): succeeded once

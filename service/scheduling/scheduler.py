@@ -79,6 +79,15 @@ from service.contract.spec import JobSpec
 from service.contract.states import ACTIVE_STATES, JobState, StopReason
 from service.contract.storage import checkpoint_uri, node_local
 from service.costs import PriceSignal, Rates, accrue
+from service.drains import (
+    STOP_MARGIN_S,
+    Drain,
+    can_checkpoint_before,
+    checkpoint_needs_s,
+    clock,
+    drained_node,
+    merge,
+)
 from service.observability import Metrics
 from service.planning.formulas import time_to_finish_s
 from service.planning.measured import observed_mtbf
@@ -143,6 +152,11 @@ class Scheduler:
         # job -> (the history's version, its expected duration, its queued gang with that estimate)
         self._estimates: dict[int, tuple[int, float | None, Gang]] = {}
         self._unplaceable_since: dict[int, float] = {}  # started jobs whose gang fits no more, since
+        # Node drains (service.drains): the ones last seen, why Ray's were last unreadable (said once),
+        # and the attempts stopped before a drain's deadline (stopped once).
+        self.drains: dict[str, Drain] = {}
+        self._drains_problem: str | None = None
+        self._drain_stopped: set[str] = set()
         # The price signal (deferral, and the cost ledger), and the jobs whose ledger runs: active at the
         # last tick (service.costs).
         self.prices = PriceSignal(settings.price_signal, refresh_s=settings.price_signal_refresh_s)
@@ -360,9 +374,13 @@ class Scheduler:
             grace_s = self.queues.preempt_grace_s
             lost = {
                 RayJobStatus.SUCCEEDED: None,  # it checkpointed and stopped by itself
-                RayJobStatus.STOPPED: "stopped: its gang lost a node"
-                if job.stop_requested == StopReason.LOST_CAPACITY
-                else f"stopped after {grace_s:g} s without checkpointing",
+                RayJobStatus.STOPPED: {
+                    StopReason.LOST_CAPACITY: "stopped: its gang lost a node",
+                    StopReason.DRAINED: "stopped before its node's drain deadline",
+                }.get(
+                    StopReason(job.stop_requested or StopReason.PREEMPTED),
+                    f"stopped after {grace_s:g} s without checkpointing",
+                ),
                 RayJobStatus.FAILED: "its Ray job failed while stopping",
                 RayJobStatus.MISSING: "Ray lost its Ray job while stopping",
             }[status]
@@ -497,7 +515,13 @@ class Scheduler:
             why, counted = {
                 StopReason.SHUTDOWN: ("the service stopped", False),
                 StopReason.LOST_CAPACITY: ("capacity lost", False),
+                StopReason.DRAINED: ("its node drains", False),
             }.get(StopReason(job.stop_requested or StopReason.PREEMPTED), ("preempted", True))
+            if job.stop_requested == StopReason.DRAINED:
+                # What the drain cost, in steps: the work since the checkpoint it resumes from.
+                stopped = "checkpointed and stopped" if lost is None else lost
+                checkpoint = f"checkpoint at step {step}" if step is not None else "start (no checkpoint)"
+                where = f"{checkpoint}; {stopped}, {steps_lost} step(s) lost"
             repository.transition(
                 session,
                 job,
@@ -655,6 +679,8 @@ class Scheduler:
         active = [self._gang(row, now=now) for row in rows if row.state in ACTIVE_STATES]
         cluster = self.backend.snapshot()
         self.requeue_unplaceable(rows, cluster, now=now)
+        self.drains = self._read_drains(cluster)
+        self.honor_drains(rows, now=now)
         usage = self._update_usage(stored_usage, active, cluster=cluster, now=now)
         if self._draining.is_set():
             queued = []  # a clean stop is under way: nothing starts
@@ -666,8 +692,10 @@ class Scheduler:
             expected_wait_s=self.waits.expected(),
         )
         self._keep_ledgers(rows, now=now)
+        # A draining node's capacity does not count: no gang is placed there (Ray agrees).
+        placeable = replace(cluster, nodes=tuple(n for n in cluster.nodes if n.node_id not in self.drains))
         decisions = decide(
-            cluster=cluster,
+            cluster=placeable,
             queued=queued,
             active=active,
             now=now,
@@ -800,7 +828,104 @@ class Scheduler:
                     f"(for {now - since:.0f} s)",
                 )
 
-    def _requeue_lost(self, job_id: int, submission_id: str, *, why: str) -> None:
+    def _read_drains(self, cluster: ClusterSnapshot) -> dict[str, Drain]:
+        """The alive nodes that drain (service.drains): Ray's, and those told to Apiary; the rows of nodes
+        that are gone are dropped."""
+        alive = {node.node_id for node in cluster.nodes}
+        problem = None
+        try:
+            from_ray = {node: at for node, at in self.backend.draining_nodes().items() if node in alive}
+        except ClusterUnavailable as err:
+            problem, from_ray = str(err), {}
+        if problem != self._drains_problem:
+            if problem is not None:
+                logger.warning(
+                    "%s: only drains told to Apiary are seen", problem, extra={"action": "drains_unknown"}
+                )
+            self._drains_problem = problem
+        with self.db.session() as session:
+            rows = repository.node_drains(session)
+            gone = [row.node_id for row in rows if row.node_id not in alive]
+            if gone and self._fenced(session):
+                repository.forget_node_drains(session, gone)
+            told = [
+                Drain(node_id=row.node_id, deadline_at=to_time(row.deadline_at), source=row.requested_by)
+                for row in rows
+                if row.node_id in alive
+            ]
+        drains = merge(from_ray, told)
+        for drain in drains.values():
+            if drain.node_id not in self.drains:
+                logger.warning(
+                    "node %s drains (deadline %s, from %s): no gang is placed there",
+                    drain.node_id,
+                    clock(drain.deadline_at),
+                    drain.source,
+                    extra={
+                        "action": "node_draining",
+                        "node": {"id": drain.node_id, "deadline": drain.deadline_at},
+                    },
+                )
+        return drains
+
+    def honor_drains(self, rows: Sequence[Any], *, now: float) -> None:
+        """Every running job with a rank on a draining node checkpoints at its next step boundary and
+        stops, when it can before the deadline; else it is stopped now. One told so and still running
+        `STOP_MARGIN_S` before the deadline is stopped then (service.drains)."""
+        if not self.drains:
+            return
+        for row in rows:
+            drain = drained_node(row.ranks, self.drains)
+            if drain is None or row.ray_submission_id is None:
+                continue
+            node = f"node {drain.node_id[:8]} drains (deadline {clock(drain.deadline_at)}"
+            if drain.deadline_at is not None:
+                node += f", in {drain.deadline_at - now:.0f} s"
+            node += f", from {drain.source})"
+            if row.state is JobState.RUNNING:
+                step_s, write_s = row.seconds_per_step, row.checkpoint_write_s
+                if can_checkpoint_before(
+                    now=now, deadline_at=drain.deadline_at, step_s=step_s, write_s=write_s
+                ):
+                    self.request_stop(
+                        row.id,
+                        StopReason.DRAINED,
+                        reason=f"{node}: checkpoint at the next step boundary (after step "
+                        f"{row.latest_step or 0}) and requeue",
+                    )
+                else:
+                    needs = checkpoint_needs_s(step_s=step_s, write_s=write_s)
+                    self._requeue_lost(
+                        row.id,
+                        row.ray_submission_id,
+                        why=f"{node}: too soon to checkpoint first ("
+                        + (f"that needs {needs:.1f} s" if needs is not None else "no step time yet")
+                        + "): it loses the steps since its last checkpoint",
+                        stop_reason=StopReason.DRAINED,
+                    )
+            elif (
+                row.state is JobState.PREEMPTING
+                and row.stop_requested == StopReason.DRAINED
+                and drain.deadline_at is not None
+                and now >= drain.deadline_at - STOP_MARGIN_S
+                and row.ray_submission_id not in self._drain_stopped
+            ):
+                self._drain_stopped.add(row.ray_submission_id)
+                self._requeue_lost(
+                    row.id,
+                    row.ray_submission_id,
+                    why=f"{node}: not stopped {STOP_MARGIN_S:g} s before the deadline: it loses the steps "
+                    "since its last checkpoint",
+                    stop_reason=StopReason.DRAINED,
+                )
+
+    def _requeue_lost(
+        self, job_id: int, submission_id: str, *, why: str, stop_reason: StopReason = StopReason.LOST_CAPACITY
+    ) -> None:
+        """Stop a job's attempt at once, without a checkpoint: a running job goes `preempting` (its Ray
+        job stopped, the reconciler requeues it), a starting one back to `queued`. With a drain, a job
+        already told to checkpoint that has not stopped in time is stopped too."""
+        drain = stop_reason is StopReason.DRAINED
         with self.db.session() as session:
             if not self._fenced(session):
                 return
@@ -809,13 +934,11 @@ class Scheduler:
                 return
             if job.state is JobState.RUNNING:
                 repository.request_stop(
-                    session,
-                    job,
-                    why=StopReason.LOST_CAPACITY,
-                    actor="scheduler",
-                    reason=f"{why}; stopping it",
+                    session, job, why=stop_reason, actor="scheduler", reason=f"{why}; stopping it"
                 )
-            elif job.state in STARTING_STATES:
+            elif job.state is JobState.PREEMPTING and drain:
+                repository.record_event(session, job, actor="scheduler", reason=f"{why}; stopping it")
+            elif job.state in STARTING_STATES and not drain:
                 repository.transition(
                     session,
                     job,
@@ -827,7 +950,8 @@ class Scheduler:
             else:
                 return
         self._unplaceable_since.pop(job_id, None)
-        logger.warning("job %s: %s", job_id, why, extra={"action": "capacity_lost", "job": {"id": job_id}})
+        action = "drain_stop" if drain else "capacity_lost"
+        logger.warning("job %s: %s", job_id, why, extra={"action": action, "job": {"id": job_id}})
         stop_job(self.backend, submission_id)
 
     def _learn_specs(self, session: Session, job_ids: Sequence[int]) -> None:

@@ -93,6 +93,9 @@ class Job(Base):
     latest_step: Mapped[int | None] = mapped_column(BigInteger)
     seconds_per_step: Mapped[float | None] = mapped_column(Float)
     last_checkpoint_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # How long the trainers took to write their latest checkpoint (CheckpointRecord.write_s): with
+    # `seconds_per_step`, whether the job can checkpoint before a draining node's deadline.
+    checkpoint_write_s: Mapped[float | None] = mapped_column(Float)
     # Why a job was told to checkpoint and stop (StopReason), and when: see service.contract.states.
     stop_requested: Mapped[str | None] = mapped_column(String(16))
     stop_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -342,3 +345,17 @@ class WebSession(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class NodeDrain(Base):
+    """A Ray node that an admin (a termination handler) said is going away: `POST
+    /admin/nodes/{id}/drain` (service.drains). Ray's own drains are read from Ray each tick; this row
+    makes one told to Apiary count on every replica, even when Ray could not be asked."""
+
+    __tablename__ = "node_drains"
+
+    node_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    deadline_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    reason: Mapped[str] = mapped_column(Text)
+    requested_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

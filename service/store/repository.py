@@ -35,6 +35,7 @@ from service.store.models import (
     Job,
     JobEvent,
     Metric,
+    NodeDrain,
     OwnerUsage,
     SchedulerLease,
     Sweep,
@@ -208,7 +209,9 @@ SCHEDULING_COLUMNS = (
     Job.latest_step,
     Job.seconds_per_step,
     Job.ray_submission_id,
+    Job.stop_requested,
     Job.stop_requested_at,
+    Job.checkpoint_write_s,
     Job.queue_position,
     Job.waiting_reason,
     Job.eta_at,
@@ -515,6 +518,31 @@ def request_stop(session: Session, job: Job, *, why: StopReason, actor: str, rea
         stop_requested=why.value,
         stop_requested_at=utcnow(),
     )
+
+
+def add_node_drain(
+    session: Session, *, node_id: str, deadline_at: datetime, reason: str, requested_by: str
+) -> NodeDrain:
+    """Record that a node goes by `deadline_at`; told again, the earlier deadline stands."""
+    drain = session.get(NodeDrain, node_id, with_for_update=True)
+    if drain is None:
+        drain = NodeDrain(node_id=node_id, deadline_at=deadline_at, reason=reason, requested_by=requested_by)
+        session.add(drain)
+    elif deadline_at < _aware(drain.deadline_at):
+        drain.deadline_at, drain.reason, drain.requested_by = deadline_at, reason, requested_by
+    session.flush()
+    return drain
+
+
+def node_drains(session: Session) -> list[NodeDrain]:
+    return list(session.scalars(select(NodeDrain).order_by(NodeDrain.node_id)))
+
+
+def forget_node_drains(session: Session, node_ids: Iterable[str]) -> None:
+    """Drop the drains of nodes that are gone (a Ray node id is never reused)."""
+    ids = list(node_ids)
+    if ids:
+        session.execute(delete(NodeDrain).where(NodeDrain.node_id.in_(ids)))
 
 
 def update_job(

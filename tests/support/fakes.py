@@ -7,6 +7,7 @@ job submitted is RUNNING at once, until stopped, and nothing is read back from t
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -28,6 +29,11 @@ class FakeBackend:
     tokens: dict[str, str] = field(default_factory=dict)
     environments: dict[str, dict[str, str]] = field(default_factory=dict)
     stopped: list[str] = field(default_factory=list)
+    # The nodes' ids, in the order of `nodes` (past its end: `fake_node_id(index)`), so that a test can
+    # replace a node by a new one.
+    node_ids: list[str] = field(default_factory=list)
+    # Ray's node drains: node id -> deadline (Unix seconds; None: none given).
+    draining: dict[str, float | None] = field(default_factory=dict)
     available: bool = True
     # The runtime_env of the last submission.
     env_vars: dict[str, str] = field(default_factory=dict)
@@ -57,7 +63,7 @@ class FakeBackend:
         return ClusterSnapshot(
             # A node with the custom resource `spot` is a spot node (service.contract.spec.is_spot_node).
             nodes=tuple(
-                NodeCapacity(node_id=f"node-{i}", resources=r, spot=is_spot_node({}, r))
+                NodeCapacity(node_id=self.node_id(i), resources=r, spot=is_spot_node({}, r))
                 for i, r in enumerate(self.nodes)
             )
         )
@@ -95,6 +101,20 @@ class FakeBackend:
         self.stopped.append(submission_id)
         self.statuses[submission_id] = RayJobStatus.STOPPED
 
+    def node_id(self, index: int) -> str:
+        return self.node_ids[index] if index < len(self.node_ids) else fake_node_id(index)
+
+    def draining_nodes(self) -> dict[str, float | None]:
+        if not self.available:
+            raise ClusterUnavailable("fake cluster is down")
+        return dict(self.draining)
+
+    def drain_node(self, node_id: str, *, deadline_at: float, reason: str) -> str | None:
+        if not self.available:
+            raise ClusterUnavailable("fake cluster is down")
+        self.draining[node_id] = deadline_at
+        return None
+
     def submission_of(self, job_id: int) -> str:
         return next(sid for sid, launch in self.submitted if launch.job_id == job_id)
 
@@ -102,3 +122,8 @@ class FakeBackend:
         """The telemetry headers of the job's latest attempt, as its trainers send them."""
         submission_id = next(sid for sid, launch in reversed(self.submitted) if launch.job_id == job_id)
         return {"authorization": f"Bearer {self.tokens[submission_id]}"}
+
+
+def fake_node_id(index: int) -> str:
+    """A node id shaped like Ray's (56 hex digits), the same for the same index."""
+    return hashlib.sha224(f"node-{index}".encode()).hexdigest()

@@ -144,8 +144,14 @@ def test_prometheus_is_imported_by_the_observability_module_only() -> None:
                 assert "prometheus_client" not in packages(names), module
 
 
-# The one module that uses Ray's private API, and its test, which checks each name against Ray.
-RAY_DOOR = {"trainers/ray_private.py", "tests/unit/test_ray_private.py"}
+# The modules that use Ray's private API (the trainers' door, and the service's to Ray's node drains),
+# and their tests, which check each name against Ray.
+RAY_DOOR = {
+    "trainers/ray_private.py",
+    "tests/unit/test_ray_private.py",
+    "service/ray_drains.py",
+    "tests/unit/test_ray_drains.py",
+}
 
 
 def ray_private_uses(path: Path) -> list[str]:

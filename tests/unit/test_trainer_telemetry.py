@@ -35,7 +35,11 @@ def test_failed_post_keeps_points_and_the_next_flush_delivers_them() -> None:
             (2, 1, 0.5),
             (3, 1, pytest.approx(1 / 3)),
         ]
-        assert batch["checkpoint"] == {"step": 3, "uri": "file:///ckpt/run/checkpoint_00000003"}
+        assert batch["checkpoint"] == {
+            "step": 3,
+            "uri": "file:///ckpt/run/checkpoint_00000003",
+            "write_s": None,
+        }
         sender.close()
         assert server.attempts == 2  # nothing left to send
     finally:
