@@ -6,6 +6,7 @@ stream."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -135,7 +136,7 @@ def test_a_watcher_that_lags_is_dropped_from_the_feed_and_the_feed_goes_on(
             while (batch := await fast.next(timeout_s=2)) is not None and not batch.metrics:
                 pass  # the first poll: the job's events only
             assert batch is not None
-            received.append(batch.metrics[0][1].step)
+            received.append(json.loads(batch.metrics[0][1])["step"])
         assert received == [0, 1, 2, 3]
         assert slow.lagged and slow not in slow.feed.watchers and fast in fast.feed.watchers
         held = [await slow.next(timeout_s=0.1) for _ in range(3)]
