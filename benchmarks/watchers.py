@@ -47,6 +47,7 @@ sys.path.insert(0, os.environ.get("APIARY_BENCH_TREE", str(ROOT)))
 
 import httpx  # noqa: E402
 from _common import command, machine, postgres_database  # noqa: E402
+from auth_flood import percentile, probe, split_cpus  # noqa: E402
 from sqlalchemy import create_engine, text  # noqa: E402
 
 from service.cluster import free_port  # noqa: E402
@@ -178,14 +179,6 @@ def digest(events: list[int], points: list[tuple[int, int]]) -> str:
 # -- the run ----------------------------------------------------------------------------------------
 
 
-def split_cpus() -> tuple[set[int], set[int]]:
-    """(the service's, probe's and driver's CPUs, the clients'): the last CPU for the clients."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        raise SystemExit("--pin needs at least 2 CPUs")
-    return set(cpus[:-1]), {cpus[-1]}
-
-
 def make_tokens(database_url: str, users: int) -> list[str]:
     """Tokens of `users` users (the first submits the job), in a database migrated for the service."""
     from service.auth import Auth
@@ -216,23 +209,6 @@ def transactions(engine: Any, database: str) -> int:
             {"name": database},
         ).scalar_one()
     return int(found)
-
-
-def probe(http: httpx.Client, seconds: float) -> list[float]:
-    """`GET /healthz` one at a time for `seconds`: each latency, in seconds."""
-    latencies = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        started = time.perf_counter()
-        assert http.get("/healthz").status_code == 200
-        latencies.append(time.perf_counter() - started)
-        time.sleep(0.01)
-    return latencies
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 class Driver(threading.Thread):
@@ -312,7 +288,7 @@ def measure(label: str, tree: Path, args: argparse.Namespace, workdir: Path) -> 
             report_token = next(data_dir.rglob(f"job-{job_id}/_apiary/attempt-1/report-token")).read_text()
             driver = Driver(url, job_id, report_token.strip(), args.steps_per_s)
             driver.start()
-            time.sleep(2)
+            time.sleep(5)  # past the submission's own work
             before = transactions(engine, database)
             rss_alone = rss_mib(server.pid)
             alone = probe(http, args.seconds)
@@ -375,7 +351,7 @@ def measure(label: str, tree: Path, args: argparse.Namespace, workdir: Path) -> 
 
 def report(label: str, result: dict[str, Any], args: argparse.Namespace) -> None:
     alone, watched = result["alone"], result["watched"]
-    p99_alone, p99_watched = percentile(alone, 0.99), percentile(watched, 0.99)
+    p99_alone, p99_watched = percentile(alone, 99), percentile(watched, 99)
     print(f"{label}:")
     print(
         f"  /healthz alone (driver posting):  p50 {1000 * statistics.median(alone):.1f} ms, "
@@ -427,7 +403,7 @@ def main() -> None:
         report(label, result, args)
     if len(results) == 2:
         now, before = results[0][1], results[1][1]
-        ratio = percentile(before["watched"], 0.99) / percentile(now["watched"], 0.99)
+        ratio = percentile(before["watched"], 99) / percentile(now["watched"], 99)
         print(f"p99 with the watchers, before / now: {ratio:.1f}x")
         tps = before["watched_tps"] / now["watched_tps"]
         print(f"database transactions/s with the watchers, before / now: {tps:.1f}x")
