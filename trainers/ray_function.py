@@ -31,7 +31,9 @@ function imported it; `trainers.ray_private.intercept_report`):
   job's latest checkpoint), by rank 0 after its metrics when rank 0 reported one, else by each rank
   that did (the same URI, stored once); the service's `keep_last`/`keep_best` retention then
   applies to it. With `checkpoint_upload_mode=ASYNC` it is recorded at a later report or at the end
-  (where the function's uploads are waited for);
+  (where the function's uploads are waited for). The checkpoint a worker group resumes from is
+  recorded by rank 0 at the group's start (the attempt that wrote it may have died before recording
+  it);
 - then the ranks agree on rank 0's word from the control plane (`ray.train.collective.
   broadcast_from_rank_zero`, one small round trip per report): when the job was asked to stop (a
   preemption, its max_runtime_s), every rank leaves the function there, at the same report, by an
@@ -155,6 +157,14 @@ class Reports:
                 + (f"from its checkpoint at step {resumed_from}" if resumed is not None else "from step 0"),
                 world_size=world_size,
             )
+            if resumed is not None:
+                # Complete (Ray Train persisted it): recorded here in case the attempt that wrote it
+                # died before its report left, as the built-in loop does (trainers.context).
+                name = PurePosixPath(resumed.path).name
+                uri = checkpoint_uri(
+                    storage_uri=self.request.storage_uri, run_name=self.request.run_name, name=name
+                )
+                self.telemetry.checkpoint_saved(resumed_from or 0, uri, resumed=True)
         self.telemetry.progress("compute")
         return resumed_from if resumed is not None else None
 
