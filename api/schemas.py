@@ -14,7 +14,7 @@ from service.contract.spec import MAX_PRIORITY, Bool, Float, Int, JobSpec, Queue
 from service.contract.states import CheckpointState, JobState
 
 if TYPE_CHECKING:  # the SDK (api.client) reads these schemas without the database's modules
-    from service.jobs import Comparison, QueueView
+    from service.jobs import Comparison, QueuesOverview, QueueView, SpotView
     from service.profiles import Profile
     from service.store.models import ApiToken, Checkpoint, CodePackage, Job, JobEvent, Metric
     from service.sweeps import SweepView, Trial
@@ -347,8 +347,41 @@ class QueuePublic(BaseModel):
         )
 
 
+class SpotPublic(BaseModel):
+    """The cluster's spot nodes (docs/spot-and-cheaper-hours.md#spot-nodes)."""
+
+    nodes: int | None = Field(description="Alive spot nodes; null while Ray is unreachable.")
+    capacity: dict[str, float] | None = Field(
+        description="Their resources summed (GPU, CPU, ...); null while Ray is unreachable."
+    )
+    interruptions: int = Field(description="Spot nodes that left as interruptions, as the scheduler saw.")
+    node_hours: float = Field(description="Hours spot nodes were seen for, all together.")
+    interruptions_per_node_h: float = Field(
+        description="What `checkpoint: {auto: true}` uses: observed, or the prior until an interruption."
+    )
+    basis: str = Field(description="Where that rate comes from.")
+
+    @classmethod
+    def build(cls, view: SpotView) -> SpotPublic:
+        return cls(
+            nodes=view.nodes,
+            capacity=view.capacity,
+            interruptions=view.interruptions,
+            node_hours=view.node_hours,
+            interruptions_per_node_h=view.rate_per_node_h,
+            basis=view.rate_basis,
+        )
+
+
 class QueuesPublic(BaseModel):
     data: list[QueuePublic]
+    spot: SpotPublic | None = Field(default=None, description="The cluster's spot nodes and interruptions.")
+
+    @classmethod
+    def build(cls, overview: QueuesOverview) -> QueuesPublic:
+        return cls(
+            data=[QueuePublic.build(view) for view in overview.queues], spot=SpotPublic.build(overview.spot)
+        )
 
 
 class UserPublic(BaseModel):

@@ -62,6 +62,8 @@ class ClusterSnapshot:
     # What Ray reports it cannot place yet (tasks, actors, placement groups: anyone's, Apiary's own
     # too, which is why the policy does not count it), as text for the log and for people.
     pending: tuple[str, ...] = ()
+    # Nodes Ray reports dead, with its message of why (node id, message): how a spot node left.
+    departed: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -197,6 +197,9 @@ class RayBackend:
                 for node in alive
             ),
             pending=_pending_demand(report),
+            departed=tuple(
+                (node.node_id, node.state_message or "") for node in nodes if node.state == "DEAD"
+            ),
         )
 
     def _load_report(self) -> Mapping[str, object]:

@@ -28,7 +28,14 @@ from sqlalchemy.orm import Session
 from service import auth, compare, logs, plateau, profiles, tracking
 from service.allowlists import OwnPlaces, check_dataset, check_trainer
 from service.auth import User
-from service.capacity import MARKS, ClusterSnapshot, capacity_text, fits_empty_cluster, gang_for
+from service.capacity import (
+    MARKS,
+    ClusterSnapshot,
+    capacity_text,
+    fits_empty_cluster,
+    gang_for,
+    spot_capacity,
+)
 from service.cluster import ClusterBackend, local_ray_temp_dir, stop_job
 from service.code import CodeStore, Incoming, sha256_of, trainer_in_code
 from service.contract.code import mib, read_package, shadowed
@@ -71,7 +78,7 @@ from service.contract.trainer_kind import TrainerKind, TrainerNotDefined, kind_o
 from service.costs import OwnerCost, sum_costs
 from service.observability import Gauges, Metrics, RankFigures, RunningJob
 from service.planning.formulas import Plan
-from service.planning.measured import measured_plan
+from service.planning.measured import measured_plan, observed_spot_rate
 from service.settings import Settings
 from service.store import repository
 from service.store.db import Database
@@ -93,6 +100,24 @@ class QueueView:
     line: list[Job]  # queued jobs in order, the first `limit`
     costs: list[OwnerCost]  # what its jobs have cost, per owner (service.costs)
     cost_totals: list[OwnerCost]  # and in all, per unit
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpotView:
+    """The cluster's spot nodes as GET /queues, the web view and /metrics show them."""
+
+    nodes: int | None  # alive now; None while the cluster cannot be read
+    capacity: dict[str, float] | None  # their resources, summed
+    interruptions: int  # spot nodes that left as interruptions, as the scheduler saw them
+    node_hours: float  # the hours spot nodes were seen for
+    rate_per_node_h: float  # what `checkpoint: {auto: true}` uses: observed, or the prior
+    rate_basis: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueuesOverview:
+    queues: list[QueueView]
+    spot: SpotView
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -743,6 +768,10 @@ class JobService:
             )
 
     def queues(self, *, limit: int = 100, offset: int = 0) -> list[QueueView]:
+        return self.overview(limit=limit, offset=offset).queues
+
+    def overview(self, *, limit: int = 100, offset: int = 0) -> QueuesOverview:
+        """Both queues (`QueueView`) and the cluster's spot nodes (`SpotView`), from one snapshot."""
         try:
             cluster: ClusterSnapshot | None = self.backend.snapshot()
         except ClusterUnavailable:
@@ -786,7 +815,18 @@ class JobService:
                         cost_totals=sum_costs(costs.get(queue.value, [])),
                     )
                 )
-            return views
+            return QueuesOverview(queues=views, spot=self._spot_view(session, cluster))
+
+    def _spot_view(self, session: Session, cluster: ClusterSnapshot | None) -> SpotView:
+        rate = observed_spot_rate(session, prior_per_node_h=self.settings.spot_prior_interruptions_per_node_h)
+        return SpotView(
+            nodes=sum(node.spot for node in cluster.nodes) if cluster is not None else None,
+            capacity=spot_capacity(cluster) if cluster is not None else None,
+            interruptions=rate.interruptions,
+            node_hours=rate.node_hours,
+            rate_per_node_h=rate.per_node_h,
+            rate_basis=rate.basis,
+        )
 
     def gauges(self) -> Gauges:
         """What `GET /metrics` reads of the database at each scrape: grouped counts and the active jobs
@@ -794,6 +834,11 @@ class JobService:
         with self.db.session() as session:
             counts = repository.count_jobs(session)
             active = repository.active_jobs(session)
+            interruptions, _ = repository.spot_history(session)
+        try:
+            cluster: ClusterSnapshot | None = self.backend.snapshot()
+        except ClusterUnavailable:
+            cluster = None  # no spot capacity series while Ray cannot be read
         workers: dict[str, int] = {}
         running = []
         for job in active:
@@ -828,6 +873,9 @@ class JobService:
             workers=workers,
             in_use=in_use_by_queue(active, data_cpus=self.settings.data_cpus_per_job),
             running=running,
+            spot_nodes=sum(node.spot for node in cluster.nodes) if cluster is not None else None,
+            spot_capacity=spot_capacity(cluster) if cluster is not None else None,
+            spot_interruptions=interruptions,
         )
 
     def get_job(self, job_id: int) -> Job:

@@ -113,6 +113,11 @@ class Gauges:
     workers: Mapping[str, int]  # queue -> workers of its running (and preempting) jobs
     in_use: Mapping[str, Mapping[str, float]]  # queue -> resource -> amount its active jobs hold
     running: Sequence[RunningJob]
+    # The spot nodes alive and their resources (None while Ray cannot be read), and the interruptions
+    # the scheduler has recorded (service.store.repository.spot_history).
+    spot_nodes: int | None = None
+    spot_capacity: Mapping[str, float] | None = None
+    spot_interruptions: int = 0
 
 
 class DatabaseCollector(Collector):
@@ -182,6 +187,30 @@ class DatabaseCollector(Collector):
         yield step
         yield speed
         yield from _rank_series(gauges.running)
+        yield from _spot_series(gauges)
+
+
+def _spot_series(gauges: Gauges) -> Iterator[Metric]:
+    interruptions = CounterMetricFamily(
+        "apiary_spot_interruptions",
+        "Spot nodes that left the cluster as interruptions (not idle scale-downs), as recorded by the "
+        "scheduler in the database (so it survives restarts).",
+    )
+    interruptions.add_metric([], gauges.spot_interruptions)
+    yield interruptions
+    if gauges.spot_nodes is None or gauges.spot_capacity is None:
+        return
+    nodes = GaugeMetricFamily("apiary_spot_nodes", "Alive Ray nodes marked spot.")
+    nodes.add_metric([], gauges.spot_nodes)
+    yield nodes
+    capacity = GaugeMetricFamily(
+        "apiary_spot_capacity",
+        "Resources of the alive spot nodes (GPU, CPU, ...), summed.",
+        labels=["resource"],
+    )
+    for resource in sorted({"CPU", "GPU", *gauges.spot_capacity}):
+        capacity.add_metric([resource], gauges.spot_capacity.get(resource, 0.0))
+    yield capacity
 
 
 def _rank_series(running: Sequence[RunningJob]) -> Iterator[Metric]:

@@ -201,6 +201,12 @@ class Settings(BaseSettings):
         description="A job's mean time between failures for `checkpoint: {auto: true}` and `apiary plan` "
         "until Apiary has observed a failure (service.planning.measured).",
     )
+    spot_prior_interruptions_per_node_h: float = Field(
+        default=0.02,
+        ge=0,
+        description="How often a spot node is taken back (interruptions per node-hour), for the MTBF of "
+        "`checkpoint: {auto: true}` on spot nodes until Apiary has observed an interruption.",
+    )
     hang_floor_s: float = Field(
         default=60.0,
         gt=0,

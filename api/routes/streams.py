@@ -37,7 +37,7 @@ from api.feeds import (
     poll_job,
 )
 from api.limits import PRINTABLE_PATTERN, JobId
-from api.schemas import QueuePublic, QueuesPublic, error_responses
+from api.schemas import QueuesPublic, error_responses
 from service.auth import Auth
 from service.contract.errors import JobNotFound
 from service.jobs import JobService
@@ -276,8 +276,8 @@ class QueuesTracker:
             if time.monotonic() - self.read_at >= QUEUES_POLL_S:
                 started = time.monotonic()
                 self.reads += 1
-                views = await run_in_threadpool(jobs.queues)
-                body = QueuesPublic(data=[QueuePublic.build(view) for view in views]).model_dump_json()
+                overview = await run_in_threadpool(jobs.overview)
+                body = QueuesPublic.build(overview).model_dump_json()
                 self.read_at = started
                 if body != self.body:
                     self.body = body

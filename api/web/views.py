@@ -277,13 +277,15 @@ def queue_page(
     finished_offset: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
     part: Annotated[str | None, Query(pattern="^live$")] = None,
 ) -> HTMLResponse:
-    views = jobs.queues(limit=QUEUE_PAGE, offset=offset)
+    overview = jobs.overview(limit=QUEUE_PAGE, offset=offset)
+    views = overview.queues
     running, running_count = jobs.list_jobs(states=tuple(ACTIVE_STATES), limit=RUNNING_SHOWN)
     finished, finished_count = jobs.list_jobs(
         states=FINISHED_STATES, offset=finished_offset, limit=FINISHED_PAGE
     )
     context = {
         "queues": views,
+        "spot": overview.spot,
         "capacity": {view.name: capacity(view) for view in views},
         "running": [progress(job) for job in running],
         "running_count": running_count,

@@ -30,17 +30,66 @@ class ObservedMtbf:
     basis: str  # one line a person reads, e.g. "observed: 3 failures in 72.0 job-hours"
 
 
-def observed_mtbf(session: Session, *, default_s: float, now: datetime | None = None) -> ObservedMtbf:
-    """Job-hours run per failure over recent jobs; `default_s` while no failure has been seen."""
+def observed_mtbf(
+    session: Session,
+    *,
+    default_s: float,
+    now: datetime | None = None,
+    spot_nodes: int = 0,
+    spot_prior_per_node_h: float = 0.0,
+) -> ObservedMtbf:
+    """Job-hours run per failure over recent jobs; `default_s` while no failure has been seen. A job on
+    `spot_nodes` spot nodes also fails when one of them is taken back: their interruption rate
+    (`observed_spot_rate`) adds to its failure rate, so its MTBF is 1 / (1 / base + n x rate)."""
     failures, running_s = repository.failure_history(session, now=now or utcnow())
     hours = running_s / HOUR_S
     if failures == 0 or running_s <= 0:
-        return ObservedMtbf(
+        base = ObservedMtbf(
             mtbf_s=default_s,
             basis=f"default {default_s / HOUR_S:g} h: no failure observed in {hours:.1f} job-hours",
         )
+    else:
+        base = ObservedMtbf(
+            mtbf_s=running_s / failures, basis=f"observed: {failures} failure(s) in {hours:.1f} job-hours"
+        )
+    if spot_nodes <= 0:
+        return base
+    spot = observed_spot_rate(session, prior_per_node_h=spot_prior_per_node_h)
+    per_s = 1 / base.mtbf_s + spot_nodes * spot.per_node_h / HOUR_S
     return ObservedMtbf(
-        mtbf_s=running_s / failures, basis=f"observed: {failures} failure(s) in {hours:.1f} job-hours"
+        mtbf_s=1 / per_s,
+        basis=f"{base.basis}; on {spot_nodes} spot node(s) at {spot.per_node_h:.3g} interruptions per "
+        f"node-hour ({spot.basis})",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpotRate:
+    """How often a spot node is taken back, as observed (or the stated prior until one is)."""
+
+    per_node_h: float
+    interruptions: int
+    node_hours: float
+    basis: str  # e.g. "observed: 2 interruption(s) in 40.0 spot node-hours"
+
+
+def observed_spot_rate(session: Session, *, prior_per_node_h: float) -> SpotRate:
+    """Interruptions per spot node-hour that the scheduler has seen (`repository.spot_history`); the
+    prior (APIARY_SPOT_PRIOR_INTERRUPTIONS_PER_NODE_H) until an interruption is observed."""
+    interruptions, seen_s = repository.spot_history(session)
+    hours = seen_s / HOUR_S
+    if interruptions == 0 or hours <= 0:
+        return SpotRate(
+            per_node_h=prior_per_node_h,
+            interruptions=interruptions,
+            node_hours=hours,
+            basis=f"prior: no interruption observed in {hours:.1f} spot node-hours",
+        )
+    return SpotRate(
+        per_node_h=interruptions / hours,
+        interruptions=interruptions,
+        node_hours=hours,
+        basis=f"observed: {interruptions} interruption(s) in {hours:.1f} spot node-hours",
     )
 
 

@@ -41,6 +41,7 @@ brought up to date every tick from the active jobs.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import socket
@@ -75,7 +76,7 @@ from service.contract.protocol import (
     failure_from_logs,
     launch_env,
 )
-from service.contract.spec import JobSpec
+from service.contract.spec import JobSpec, SpotUse
 from service.contract.states import ACTIVE_STATES, JobState, StopReason
 from service.contract.storage import checkpoint_uri, node_local
 from service.costs import PriceSignal, Rates, accrue
@@ -116,6 +117,15 @@ LEASE = "scheduler"
 # of the pass's own (Scheduler._wake_gap_s).
 WAKE_GAP_S = 0.25
 WAKE_GAP_FACTOR = 9.0
+# The spot nodes' last-seen times are written at least this often while the set does not change: the
+# observed interruption rate counts node-hours to within this.
+SPOT_SEEN_EVERY_S = 60.0
+
+
+def _spot_nodes(cluster: ClusterSnapshot, placement: Sequence[int], gang: Gang) -> int:
+    """The spot nodes among those the policy placed a gang's workers on (its extra, Ray Data's tasks, is
+    not in the placement group)."""
+    return len({index for index in placement[: gang.num_workers] if cluster.nodes[index].spot})
 
 
 class _Facts(NamedTuple):
@@ -171,6 +181,9 @@ class Scheduler:
         # history, then fed with each admission. A deferred job's wait counts from its window's start.
         self.waits = RecentWaits()
         self._window_at: dict[int, float] = {}
+        # The spot nodes last written as seen, and when (service.store.repository.observe_spot_nodes).
+        self._spot_seen: tuple[frozenset[str], float] = (frozenset(), -math.inf)
+        self._spot_alive = 0  # spot nodes in the last snapshot
         # What the log last said of other Ray users' use and of Ray's pending demand (said on change).
         self._others_said = f"other Ray users hold {format_resources({})}"
         self._stop = threading.Event()
@@ -678,6 +691,7 @@ class Scheduler:
         queued = [self._queued_gang(row.id) for row in rows if row.state is JobState.QUEUED]
         active = [self._gang(row, now=now) for row in rows if row.state in ACTIVE_STATES]
         cluster = self.backend.snapshot()
+        self._watch_spot(cluster, now=now)
         self.requeue_unplaceable(rows, cluster, now=now)
         self.drains = self._read_drains(cluster)
         self.honor_drains(rows, now=now)
@@ -713,9 +727,38 @@ class Scheduler:
         for victim in decisions.preempt:
             self._preempt(victim)
         for job_id in decisions.admit:
-            self._admit_one(job_id, note=decisions.deferral_notes.get(job_id))
+            placement = decisions.placements.get(job_id, ())
+            self._admit_one(
+                job_id,
+                note=decisions.deferral_notes.get(job_id),
+                spot_nodes=_spot_nodes(placeable, placement, self._templates[job_id]),
+            )
         self._store_waiting(decisions, before=waiting_before, admitted=set(decisions.admit))
         return decisions
+
+    def _watch_spot(self, cluster: ClusterSnapshot, *, now: float) -> None:
+        """Write which spot nodes are alive (when the set changes, else every `SPOT_SEEN_EVERY_S`), and
+        count those that left as interruptions (service.planning.measured.observed_spot_rate)."""
+        alive = frozenset(node.node_id for node in cluster.nodes if node.spot)
+        self._spot_alive = len(alive)
+        seen, written_at = self._spot_seen
+        if alive == seen and now - written_at < SPOT_SEEN_EVERY_S:
+            return
+        with self.db.session() as session:
+            if not self._fenced(session):
+                return
+            left = repository.observe_spot_nodes(
+                session, alive=alive, departed=dict(cluster.departed), now=_utc(now)
+            )
+            for node in left:
+                logger.warning(
+                    "spot node %s left the cluster%s: %s",
+                    node.node_id,
+                    " (an interruption)" if node.interrupted else " (retired, not an interruption)",
+                    node.reason,
+                    extra={"action": "spot_node_left", "node": node.node_id, "interrupted": node.interrupted},
+                )
+        self._spot_seen = (alive, now)
 
     def _keep_ledgers(self, rows: Sequence[Any], *, now: float) -> None:
         """Bring the cost ledgers up to date (service.costs): every `LEDGER_EVERY_S` for an active job,
@@ -1091,7 +1134,8 @@ class Scheduler:
             if self._fenced(session):
                 repository.set_waiting(session, changes)
 
-    def _admit_one(self, job_id: int, *, note: str | None = None) -> None:
+    def _admit_one(self, job_id: int, *, note: str | None = None, spot_nodes: int = 0) -> None:
+        """`spot_nodes`: how many spot nodes the policy placed its workers on (its MTBF, and the event)."""
         with self.db.session() as session:
             if not self._fenced(session):
                 return
@@ -1109,7 +1153,9 @@ class Scheduler:
                 actor="scheduler",
                 # An elastic job is admitted on its min gang (service.scheduling.policy glossary: elastic
                 # gang).
-                reason=f"gang of {spec.min_workers} worker(s) fits; submitting attempt {attempt}"
+                reason=f"gang of {spec.min_workers} worker(s) fits"
+                + (f" (on {spot_nodes} spot node(s))" if spot_nodes else "")
+                + f"; submitting attempt {attempt}"
                 + (f"; {note}" if note else ""),
                 attempt=attempt,
                 ray_submission_id=_submission_id(job.id, attempt),
@@ -1121,20 +1167,34 @@ class Scheduler:
                 credentials_token_hash=token_hash(fetch_token),
                 credentials_redeemed_at=None,
             )
-            launch = Handoff(request=self._launch_request(job, spec), token=token, fetch_token=fetch_token)
+            launch = Handoff(
+                request=self._launch_request(job, spec, spot_nodes=spot_nodes),
+                token=token,
+                fetch_token=fetch_token,
+            )
         admitted_at = time.time()
         self.metrics.job_admitted(queue=job.queue, waited_s=admitted_at - (queued_at or admitted_at))
         joined = max(queued_at or admitted_at, self._window_at.pop(job_id, 0.0))
         self.waits.add(job.queue, admitted_at - joined)
         self._submit(job_id, launch)
 
-    def _launch_request(self, job: Job, spec: JobSpec) -> LaunchRequest:
-        """What the attempt `job.attempt` runs (its row already holds the attempt and submission id)."""
+    def _launch_request(self, job: Job, spec: JobSpec, *, spot_nodes: int | None = None) -> LaunchRequest:
+        """What the attempt `job.attempt` runs (its row already holds the attempt and submission id).
+        `spot_nodes`: the spot nodes its workers were placed on; None (a recovery, resubmitted where Ray
+        finds room): as many as it could be on (none for `spot: never`)."""
         mtbf = None
         if spec.checkpoint.auto:
             session = object_session(job)
             assert session is not None  # both callers hold the job's row in their session
-            mtbf = observed_mtbf(session, default_s=self.settings.default_mtbf_s)
+            if spot_nodes is None:
+                may_use_spot = spec.spot_use is not SpotUse.NEVER
+                spot_nodes = min(spec.max_workers, self._spot_alive) if may_use_spot else 0
+            mtbf = observed_mtbf(
+                session,
+                default_s=self.settings.default_mtbf_s,
+                spot_nodes=spot_nodes,
+                spot_prior_per_node_h=self.settings.spot_prior_interruptions_per_node_h,
+            )
             repository.record_event(
                 session,
                 job,

@@ -263,6 +263,21 @@ class SchedulerLease(Base):
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
+class SpotNode(Base):
+    """A spot node the scheduler has seen (service.scheduling.scheduler), for the observed interruption
+    rate that `checkpoint: {auto: true}` uses (service.planning.measured): node-hours seen, and whether
+    it left the cluster as an interruption (not an idle scale-down)."""
+
+    __tablename__ = "spot_nodes"
+
+    node_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    first_seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    last_seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    left_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
+    interrupted: Mapped[bool] = mapped_column(Boolean, default=False)
+    reason: Mapped[str | None] = mapped_column(Text)  # why it left, as Ray said it (or that it vanished)
+
+
 class OwnerUsage(Base):
     """An owner's recent use of the cluster, for fair share: dominant-share-seconds, decaying."""
 

@@ -5,7 +5,7 @@ row land together or not at all."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -38,6 +38,7 @@ from service.store.models import (
     NodeDrain,
     OwnerUsage,
     SchedulerLease,
+    SpotNode,
     Sweep,
     WebSession,
     utcnow,
@@ -1067,6 +1068,49 @@ def failure_history(session: Session, *, now: datetime, limit: int = 1000) -> tu
         assert started_at is not None  # the query asks for it
         running_s += max(0.0, (_aware(end) - _aware(started_at)).total_seconds())
     return failures, running_s
+
+
+def observe_spot_nodes(
+    session: Session, *, alive: Collection[str], departed: Mapping[str, str], now: datetime
+) -> list[SpotNode]:
+    """Note that the spot nodes `alive` are seen at `now`, and mark those seen before that are gone as
+    left: an interruption, unless Ray's word on the dead node (`departed`: node id -> its message) says
+    it was retired as idle (an autoscaler's scale-down). Returns the nodes that left now."""
+    if alive:
+        rows = [{"node_id": node_id, "first_seen_at": now, "last_seen_at": now} for node_id in alive]
+        insert = _insert(session)(SpotNode)
+        session.execute(
+            insert.on_conflict_do_update(
+                index_elements=["node_id"], set_={"last_seen_at": insert.excluded.last_seen_at}
+            ),
+            rows,
+        )
+    gone = list(
+        session.scalars(
+            select(SpotNode).where(SpotNode.left_at.is_(None), SpotNode.node_id.not_in(list(alive)))
+        )
+    )
+    for node in gone:
+        said = departed.get(node.node_id, "")
+        node.left_at = now
+        node.interrupted = "idle" not in said.lower()
+        node.reason = said or "it left the cluster (Ray reports it no more)"
+    return gone
+
+
+def spot_history(session: Session, *, limit: int = 1000) -> tuple[int, float]:
+    """Interruptions of the `limit` spot nodes seen last, and the seconds they were seen for: the
+    observed interruption rate per node (service.planning.measured)."""
+    interrupted, seen_s = 0, 0.0
+    rows = session.execute(
+        select(SpotNode.interrupted, SpotNode.first_seen_at, SpotNode.last_seen_at)
+        .order_by(SpotNode.last_seen_at.desc())
+        .limit(limit)
+    )
+    for was_interrupted, first, last in rows:
+        interrupted += bool(was_interrupted)
+        seen_s += max(0.0, (_aware(last) - _aware(first)).total_seconds())
+    return interrupted, seen_s
 
 
 def _aware(value: datetime) -> datetime:

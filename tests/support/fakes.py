@@ -44,6 +44,7 @@ class FakeBackend:
     capacity: ClusterBackend | None = None
     # Benchmarks: a submission is RUNNING at once and its handoff is not read; an unknown one is `unknown`.
     run_at_once: bool = False
+    departed: tuple[tuple[str, str], ...] = ()  # dead nodes, with Ray's message (ClusterSnapshot.departed)
     unknown: RayJobStatus = RayJobStatus.MISSING
 
     @classmethod
@@ -65,7 +66,8 @@ class FakeBackend:
             nodes=tuple(
                 NodeCapacity(node_id=self.node_id(i), resources=r, spot=is_spot_node({}, r))
                 for i, r in enumerate(self.nodes)
-            )
+            ),
+            departed=self.departed,
         )
 
     def submit(
