@@ -205,21 +205,22 @@ def place(
         after = first.get(id(bundle))
         # The next copy of a bundle goes on the node of the last one or later; a spread one, later.
         start = 0 if after is None else after + isinstance(bundle, SpreadBundle)
-        order: Sequence[int] = range(len(free))
         if PREFER_SPOT in bundle:
             # The same rule in the order spot nodes first; `first` then holds positions in that order.
             if spot_first is None:
-                spot_first = sorted(order, key=lambda i: free[i].get(SPOT_NODE, 0.0) <= 0)
+                spot_first = sorted(range(len(free)), key=lambda i: free[i].get(SPOT_NODE, 0.0) <= 0)
             order = spot_first
-        elif hints is not None:
-            start = max(start, hints.get(shape, 0))
-        position = next((p for p in range(start, len(free)) if fits(free[order[p]], bundle)), None)
-        if position is None:
+            position = next((p for p in range(start, len(free)) if fits(free[order[p]], bundle)), None)
+            node_index = order[position] if position is not None else None
+        else:  # the hot path: node order
+            if hints is not None:
+                start = max(start, hints.get(shape, 0))
+            position = node_index = next((i for i in range(start, len(free)) if fits(free[i], bundle)), None)
+        if position is None or node_index is None:
             if allow_partial:
                 continue
             release(free, taken)
             return []
-        node_index = order[position]
         for key, amount in bundle.items():
             free[node_index][key] = free[node_index].get(key, 0.0) - amount
         taken.append((node_index, bundle))

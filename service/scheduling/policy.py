@@ -21,6 +21,10 @@ Glossary:
   use exceeds what the active gangs hold there as placed above. A gang admitted but not placed by
   Ray yet only makes the foreign use look smaller for a moment, never larger; a gang that has just
   ended may look foreign until Ray's next report (seconds). A snapshot without `used` has none.
+- spot: a node may be a spot node (`NodeCapacity.spot`). A gang of a `spot: never` job is placed on
+  on-demand nodes only, one of a `preferred` job on spot nodes first; both through marks in each node's
+  capacity (service.capacity.MARKS), so every rule below places them as admission does. The marks
+  count in no share.
 - share: a queue's guaranteed fraction of each resource of the cluster (`service.contract.queues`). A queue
   whose active gangs together exceed its share on some resource is borrowing.
 - head: the first job of a queue, in queue order, that cannot start now.
