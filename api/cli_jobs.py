@@ -148,13 +148,23 @@ def queue(
     token: Token = None,
     as_json: AsJson = False,
 ) -> None:
-    """Both queues: their use of the cluster and their waiting jobs with position, reason and ETA."""
+    """Both queues: their use of the cluster and their waiting jobs with position, reason and ETA; and the
+    cluster's spot nodes, with the interruptions seen."""
     with _client(url, token) as client:
-        queues = client.queues()
+        overview = client.queues_overview()
     if as_json:
-        print(json.dumps({"data": [q.model_dump(mode="json") for q in queues]}))
+        print(overview.model_dump_json())
         return
-    for view in queues:
+    spot = overview.spot
+    if spot is not None and (spot.nodes or spot.interruptions):
+        capacity = ", ".join(f"{key} {amount:g}" for key, amount in sorted((spot.capacity or {}).items()))
+        console.print(
+            f"[bold]spot[/]: {spot.nodes if spot.nodes is not None else '?'} node(s)"
+            + (f" with {capacity}" if capacity else "")
+            + f"; {spot.interruptions} interruption(s) in {spot.node_hours:.1f} node-hours "
+            f"({spot.interruptions_per_node_h:.3g} per node-hour, {escape(spot.basis)})"
+        )
+    for view in overview.data:
         counts = ", ".join(f"{n} {state}" for state, n in sorted(view.counts.items())) or "empty"
         use = ", ".join(
             f"{key} {amount:g}/{(view.share or {}).get(key, 0):g}"

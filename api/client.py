@@ -557,7 +557,11 @@ class ApiaryClient:
     # --- queues and health ------------------------------------------------------------------
 
     def queues(self, *, limit: int = 100) -> list[QueuePublic]:
-        return self._get("/queues", schemas.QueuesPublic, params={"limit": limit}).data
+        return self.queues_overview(limit=limit).data
+
+    def queues_overview(self, *, limit: int = 100) -> schemas.QueuesPublic:
+        """GET /queues whole: both queues (`data`) and the cluster's spot nodes (`spot`)."""
+        return self._get("/queues", schemas.QueuesPublic, params={"limit": limit})
 
     def health(self) -> Health:
         """Readiness (GET /readyz): whether the database and Ray answer."""

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from api.cli import app
 from tests.integration.conftest import Service
 
 
@@ -47,7 +50,7 @@ def test_a_never_job_that_only_spot_nodes_could_hold_is_refused(
 
 
 def test_a_spot_node_that_leaves_is_an_interruption_that_the_counts_and_the_cadence_see(
-    start_service: Callable[..., Service], spec: dict[str, Any]
+    start_service: Callable[..., Service], spec: dict[str, Any], tmp_path: Path
 ) -> None:
     service = start_service(nodes=[{"CPU": 4.0}, {"CPU": 4.0, "spot": 1.0}], shared_filesystem=True)
     service.backend.node_ids = ["od", "spot-1"]
@@ -74,6 +77,12 @@ def test_a_spot_node_that_leaves_is_an_interruption_that_the_counts_and_the_cade
     assert (
         "1 interruption(s) in 2.0 spot node-hours"
         in service.http.get("/", headers={"Accept": "text/html"}).text
+    )
+    cli_env = {"APIARY_URL": str(service.http.base_url), "APIARY_TOKEN": None, "COLUMNS": "200"}
+    shown = CliRunner().invoke(app, ["queue"], env={**cli_env, "APIARY_CONFIG": str(tmp_path / "none.toml")})
+    assert shown.exit_code == 0, shown.output
+    assert (
+        "spot: 0 node(s); 1 interruption(s) in 2.0 node-hours (0.5 per node-hour, observed: 1" in shown.output
     )
 
     # A new spot node joins; a job that prefers spot is placed there, and its cadence counts it.
