@@ -9,9 +9,10 @@ reaches these watchers too, within POLL_S.
 
 Joining. A watcher first catches up alone from its own cursor (its Last-Event-ID, or the start)
 until a poll comes back not full. With no feed for the job, it then starts one at its cursor. With
-one, it subscribes first and catches up alone once more: the batches the feed hands out meanwhile
-queue up, and the watcher skips the rows it already sent (by row id), so it misses nothing and
-sends nothing twice.
+one, it subscribes first; if the feed is past its cursor (or handed out a newer state of the job),
+it catches up alone once more, while the batches the feed hands out meanwhile queue up. Either way
+the feed's next batch starts at or before the watcher's cursor, and the watcher skips the rows it
+already sent (by row id), so it misses nothing and sends nothing twice.
 
 A slow watcher. Its queue holds at most QUEUE_BATCHES batches. The feed never waits for a watcher:
 one whose queue is full is dropped (`lagged`). It sends what it holds, then catches up alone from
@@ -224,15 +225,17 @@ class JobFeeds:
     jobs: JobService
     feeds: dict[int, JobFeed] = field(default_factory=dict)
 
-    def watch(self, job_id: int, cursor: JobCursor) -> tuple[Watcher, bool]:
+    def watch(self, job_id: int, cursor: JobCursor, *, job: str | None) -> tuple[Watcher, bool]:
         """A watcher of the job's feed, started at `cursor` when there is none; and whether it must
-        catch up alone once more (the feed was there before it: its next batch may start before or
-        after `cursor`)."""
+        catch up alone once more: the feed was there before it and is past `cursor` (its next batch
+        starts after it), or handed out a state of the job other than `job`, the last one the
+        watcher sent. At or ahead of the feed, it skips by row id what it already sent."""
         feed = self.feeds.get(job_id)
         if feed is None:
             feed = self.feeds[job_id] = JobFeed(self, job_id, cursor)
             return feed.join(), False
-        return feed.join(), True
+        behind = cursor.event_id < feed.cursor.event_id or cursor.metric_id < feed.cursor.metric_id
+        return feed.join(), behind or job != feed.job
 
     def close(self) -> None:
         for feed in list(self.feeds.values()):

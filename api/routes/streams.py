@@ -207,7 +207,7 @@ async def _job_messages(
             first = await alone()
         if first is None:
             return
-        watcher, catch_up = feeds.watch(job_id, sent.cursor)
+        watcher, catch_up = feeds.watch(job_id, sent.cursor, job=sent.job)
         try:
             while catch_up:
                 caught = await alone()

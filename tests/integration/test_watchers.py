@@ -58,13 +58,17 @@ def test_every_watcher_gets_every_event_once_in_order_from_one_poll(
     service.tick()  # admitted: its attempt reports
     post_step(service, job_id, 0)  # before anyone watches
     wait_until(lambda: feeds.watching == 0, timeout_s=10, what="earlier tests' watchers leaving")
+    joining = feeds.polls["alone"]
     readers = [watch(service, job_id) for _ in range(WATCHERS)]
     try:
         for reader in readers:
             reader.until("metrics")  # caught up alone: step 0
         wait_until(lambda: feeds.watching == WATCHERS, timeout_s=10, what="every stream in the feed")
-        # A stream that joined a running feed catches up alone once more, just after it joined.
+        # A stream that joins a feed that is past it catches up alone once more, just after it joined.
         wait_until(lambda: alone_polls_settled(0.3), timeout_s=10, what="the last catch-ups")
+        # Nothing new while they joined: one poll each (the one that answers 404 for an unknown job),
+        # and a catch-up only for those that came before the feed's first poll.
+        assert feeds.polls["alone"] - joining <= WATCHERS + 5
         before = dict(feeds.polls)
         started = time.monotonic()
         for step in range(1, 6):  # while they watch, at about the feed's own pace
@@ -128,8 +132,8 @@ def test_a_watcher_that_lags_is_dropped_from_the_feed_and_the_feed_goes_on(
 
     async def scenario() -> None:
         job_feeds = JobFeeds(service.runtime.jobs)
-        slow, _ = job_feeds.watch(job_id, JobCursor())
-        fast, _ = job_feeds.watch(job_id, JobCursor())
+        slow, _ = job_feeds.watch(job_id, JobCursor(), job=None)
+        fast, _ = job_feeds.watch(job_id, JobCursor(), job=None)
         received = []
         for step in range(4):
             await asyncio.to_thread(post_step, service, job_id, step)
