@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -79,57 +80,71 @@ def serve(*, port: int, database_url: str, data_dir: Path) -> None:
 # -- the clients (`watchers.py clients`: their own process, one event loop) -------------------------
 
 
-async def job_client(http: httpx.AsyncClient, path: str, token: str, ready: asyncio.Event) -> dict[str, Any]:
+async def sse_messages(url: str, path: str, token: str) -> AsyncIterator[tuple[str, str, str]]:
+    """(event, id, data) of an event stream, over a bare asyncio connection: HTTP/1.1, chunked, as
+    uvicorn sends a stream. httpx's line iterator cost more than the whole client budget of one
+    loaded core at 1,200 streams."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        request = (
+            f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\n"
+            "Accept: text/event-stream\r\n\r\n"
+        )
+        writer.write(request.encode())
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        status = head.split(" ", 2)[1]
+        if status != "200":
+            raise RuntimeError(f"HTTP {status} for {path}")
+        buffer = b""
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                return
+            buffer += (await reader.readexactly(size + 2))[:-2]
+            *whole, buffer = buffer.split(b"\n\n")
+            for block in whole:
+                fields = dict(line.split(": ", 1) for line in block.decode().split("\n") if ": " in line)
+                if "event" in fields:
+                    yield fields["event"], fields.get("id", ""), fields.get("data", "")
+    finally:
+        writer.close()
+
+
+async def job_client(url: str, path: str, token: str, ready: asyncio.Event) -> dict[str, Any]:
     """One job stream until `end`: a digest of the event ids and points it sent, in its order."""
     events: list[int] = []
     points: list[tuple[int, int]] = []
-    fields: dict[str, str] = {}
     ended = False
-    headers = {"Authorization": f"Bearer {token}", "Accept": "text/event-stream"}
-    async with http.stream("GET", path, headers=headers) as response:
-        if response.status_code != 200:
-            ready.set()
-            return {"ended": False, "digest": f"HTTP {response.status_code}", "events": 0, "points": 0}
-        async for line in response.aiter_lines():
-            if line.startswith(":"):
-                continue
-            if line:
-                name, _, value = line.partition(": ")
-                fields[name] = value
-                continue
-            event, data = fields.get("event"), json.loads(fields.get("data", "null"))
-            fields = {}
+    try:
+        async for event, _, data in sse_messages(url, path, token):
             ready.set()
             if event == "event":
-                events.append(data["id"])
+                events.append(json.loads(data)["id"])
             elif event == "metrics":
-                points += [(point["step"], point["rank"]) for point in data["data"]]
+                points += [(point["step"], point["rank"]) for point in json.loads(data)["data"]]
             elif event == "end":
                 ended = True
                 break
+    finally:
+        ready.set()
     return {"ended": ended, "digest": digest(events, points), "events": len(events), "points": len(points)}
 
 
-async def queues_client(
-    http: httpx.AsyncClient, token: str, ready: asyncio.Event, stop: asyncio.Event
-) -> dict[str, Any]:
+async def queues_client(url: str, token: str, ready: asyncio.Event, stop: asyncio.Event) -> dict[str, Any]:
     """One queues stream until `stop`: the versions it was sent, and when the last one arrived."""
     versions: list[int] = []
     arrived: list[float] = []
-    headers = {"Authorization": f"Bearer {token}", "Accept": "text/event-stream"}
 
-    async def read(response: httpx.Response) -> None:
-        async for line in response.aiter_lines():
-            if line.startswith("id: "):
-                versions.append(int(line[4:]))
-                arrived.append(time.time())
-                ready.set()
+    async def read() -> None:
+        async for _, version, _ in sse_messages(url, "/queues/stream", token):
+            versions.append(int(version))
+            arrived.append(time.time())
+            ready.set()
 
-    async with http.stream("GET", "/queues/stream", headers=headers) as response:
-        if response.status_code == 200:
-            reader = asyncio.ensure_future(read(response))
-            await stop.wait()
-            reader.cancel()
+    reader = asyncio.ensure_future(read())
+    await asyncio.wait([reader, asyncio.ensure_future(stop.wait())], return_when="FIRST_COMPLETED")
+    reader.cancel()
     ready.set()
     last_at = arrived[-1] if arrived else 0.0
     return {"versions": len(versions), "increasing": versions == sorted(set(versions)), "last_at": last_at}
@@ -138,39 +153,37 @@ async def queues_client(
 async def clients(url: str, path: str, tokens: list[str], job_clients: int, queue_clients: int) -> None:
     """Open every stream (50 connecting at a time), say `ready` on stdout once each got its first
     message, wait for the job streams' ends, then for `stop` on stdin; print a JSON summary."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(60, read=None)) as http:
-        connecting = asyncio.Semaphore(50)
-        stop = asyncio.Event()
-        readies: list[asyncio.Event] = []
+    connecting = asyncio.Semaphore(50)
+    stop = asyncio.Event()
+    readies: list[asyncio.Event] = []
 
-        async def paced(make: Any) -> dict[str, Any]:
-            ready = asyncio.Event()
-            readies.append(ready)
-            async with connecting:
-                task = asyncio.ensure_future(make(ready))
-                await asyncio.wait([task, asyncio.ensure_future(ready.wait())], return_when="FIRST_COMPLETED")
-            result: dict[str, Any] = await task
-            return result
+    async def paced(make: Any) -> dict[str, Any]:
+        ready = asyncio.Event()
+        readies.append(ready)
+        async with connecting:
+            task = asyncio.ensure_future(make(ready))
+            await asyncio.wait([task, asyncio.ensure_future(ready.wait())], return_when="FIRST_COMPLETED")
+        result: dict[str, Any] = await task
+        return result
 
-        jobs = [
-            asyncio.ensure_future(paced(lambda r, i=i: job_client(http, path, tokens[i % len(tokens)], r)))
-            for i in range(job_clients)
-        ]
-        queues = [
-            asyncio.ensure_future(paced(lambda r, i=i: queues_client(http, tokens[i % len(tokens)], r, stop)))
-            for i in range(queue_clients)
-        ]
-        tasks = [*jobs, *queues]
-        while len(readies) < len(tasks) or not all(
-            r.is_set() or t.done() for r, t in zip(readies, tasks, strict=True)
-        ):
-            await asyncio.sleep(0.2)
-        print("ready", flush=True)
-        job_results = await asyncio.gather(*jobs)
-        await asyncio.to_thread(sys.stdin.readline)  # `stop`: the queues' last change is sent by now
-        stop.set()
-        queue_results = await asyncio.gather(*queues)
+    jobs = [
+        asyncio.ensure_future(paced(lambda r, i=i: job_client(url, path, tokens[i % len(tokens)], r)))
+        for i in range(job_clients)
+    ]
+    queues = [
+        asyncio.ensure_future(paced(lambda r, i=i: queues_client(url, tokens[i % len(tokens)], r, stop)))
+        for i in range(queue_clients)
+    ]
+    tasks = [*jobs, *queues]
+    while len(readies) < len(tasks) or not all(
+        r.is_set() or t.done() for r, t in zip(readies, tasks, strict=True)
+    ):
+        await asyncio.sleep(0.2)
+    print("ready", flush=True)
+    job_results = await asyncio.gather(*jobs)
+    await asyncio.to_thread(sys.stdin.readline)  # `stop`: the queues' last change is sent by now
+    stop.set()
+    queue_results = await asyncio.gather(*queues)
     print(json.dumps({"jobs": job_results, "queues": queue_results}), flush=True)
 
 
