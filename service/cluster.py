@@ -314,6 +314,13 @@ class RayBackend:
         return self._drains.drain(node_id, deadline_at=deadline_at, reason=reason)
 
 
+def retired_idle(message: str) -> bool:
+    """Whether Ray's message on a dead node says the autoscaler retired it as idle (death reason
+    AUTOSCALER_DRAIN_IDLE, in the words of Ray 2.60's `ray.dashboard.utils.compose_state_message`), not
+    that it was taken back or failed."""
+    return message.startswith("Terminated due to idle")
+
+
 def submission_prefix(job_id: int, attempt: int) -> str:
     """The start of the Ray submission id of a job's attempt (the scheduler adds a random suffix), by
     which an earlier attempt's Ray job is found again: the job row holds only the current one."""

@@ -63,7 +63,7 @@ from service.capacity import (
     format_resources,
     gang_for,
 )
-from service.cluster import ClusterBackend, RayJobStatus, stop_job, submission_prefix
+from service.cluster import ClusterBackend, RayJobStatus, retired_idle, stop_job, submission_prefix
 from service.code import CodeStore, sha256_of
 from service.contract.errors import ClusterUnavailable, one_line
 from service.contract.handoff import Handoff, new_token, run_name, token_hash, write_handoff
@@ -747,8 +747,13 @@ class Scheduler:
         with self.db.session() as session:
             if not self._fenced(session):
                 return
+            departed = dict(cluster.departed)
             left = repository.observe_spot_nodes(
-                session, alive=alive, departed=dict(cluster.departed), now=_utc(now)
+                session,
+                alive=alive,
+                departed=departed,
+                idle={node_id for node_id, message in departed.items() if retired_idle(message)},
+                now=_utc(now),
             )
             for node in left:
                 logger.warning(

@@ -1071,11 +1071,16 @@ def failure_history(session: Session, *, now: datetime, limit: int = 1000) -> tu
 
 
 def observe_spot_nodes(
-    session: Session, *, alive: Collection[str], departed: Mapping[str, str], now: datetime
+    session: Session,
+    *,
+    alive: Collection[str],
+    departed: Mapping[str, str],
+    idle: Collection[str],
+    now: datetime,
 ) -> list[SpotNode]:
     """Note that the spot nodes `alive` are seen at `now`, and mark those seen before that are gone as
-    left: an interruption, unless Ray's word on the dead node (`departed`: node id -> its message) says
-    it was retired as idle (an autoscaler's scale-down). Returns the nodes that left now."""
+    left: an interruption, unless it is one of the nodes Ray retired as `idle` (an autoscaler's
+    scale-down). `departed`: Ray's message on each dead node. Returns the nodes that left now."""
     if alive:
         rows = [{"node_id": node_id, "first_seen_at": now, "last_seen_at": now} for node_id in alive]
         insert = _insert(session)(SpotNode)
@@ -1093,7 +1098,7 @@ def observe_spot_nodes(
     for node in gone:
         said = departed.get(node.node_id, "")
         node.left_at = now
-        node.interrupted = "idle" not in said.lower()
+        node.interrupted = node.node_id not in idle
         node.reason = said or "it left the cluster (Ray reports it no more)"
     return gone
 

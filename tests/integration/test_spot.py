@@ -103,16 +103,22 @@ def test_a_spot_node_that_leaves_is_an_interruption_that_the_counts_and_the_cade
     assert request.mtbf_s == pytest.approx(3600 / (1 / 24 + 0.5), rel=1e-3)
 
 
-def test_an_idle_scale_down_is_not_an_interruption(
+def test_an_idle_scale_down_is_not_an_interruption_and_a_preemption_is(
     start_service: Callable[..., Service], spec: dict[str, Any]
 ) -> None:
-    service = start_service(nodes=[{"CPU": 4.0, "spot": 1.0}])
-    service.backend.node_ids = ["spot-1"]
+    service = start_service(nodes=[{"CPU": 4.0, "spot": 1.0}, {"CPU": 4.0, "spot": 1.0}])
+    service.backend.node_ids = ["spot-1", "spot-2"]
     now = time.time()
     service.tick(now)
-    service.backend.nodes, service.backend.node_ids = [], []
-    service.backend.departed = (("spot-1", "The node was drained: AUTOSCALER_DRAIN_IDLE, idle for 60 s"),)
     service.tick(now + 3600)
+    service.backend.nodes, service.backend.node_ids = [], []
+    # Ray's words (ray.dashboard.utils.compose_state_message) for a node the autoscaler drained as
+    # idle, and for one the cloud took back.
+    service.backend.departed = (
+        ("spot-1", "Terminated due to idle (no Ray activity): idle for 60 s"),
+        ("spot-2", "Terminated due to preemption: spot instance reclaimed"),
+    )
+    service.tick(now + 3601)
     spot = service.http.get("/queues").json()["spot"]
-    assert (spot["nodes"], spot["interruptions"]) == (0, 0)
-    assert spot["basis"] == "prior: no interruption observed in 0.0 spot node-hours"
+    assert (spot["nodes"], spot["interruptions"]) == (0, 1)
+    assert spot["basis"] == "observed: 1 interruption(s) in 2.0 spot node-hours"
