@@ -29,6 +29,12 @@ p50/p99 latency of a submission as its caller sees it (first send to the final a
 included) and of one HTTP request that got an answer. With every submission in flight at
 once, the latency is mostly waiting in the server's queue (about jobs / throughput at worst).
 
+`--replicas N` (PostgreSQL): then Apiary again with N replicas (`api_load.py serve` processes on one
+fresh database, each with its own scheduler loop, as `apiary serve` replicas run), the clients spread
+over them as a round-robin balancer would (a logical submission's first try to replica `index % N`,
+each retry to the next one, a deliberate repeat to another than the first); printed: the N replicas'
+rate over one replica's, and the same exactly-once check.
+
 PostgreSQL: `APIARY_BENCH_PG_URL` (default postgresql+psycopg://postgres@127.0.0.1:5432/postgres).
 """
 
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import signal
 import statistics
@@ -151,6 +158,18 @@ def baseline(*, database_url: str, port: int) -> None:
 
 
 @contextmanager
+def served_replicas(
+    database_url: str, replicas: int, *, workdir: Path, kind: str, profile: Path | None
+) -> Iterator[list[str]]:
+    """`replicas` servers of `kind` on one database, started one after another (the first migrates)."""
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(served(database_url, workdir=workdir, kind=kind, profile=profile))
+            for _ in range(replicas)
+        ]
+
+
+@contextmanager
 def served(database_url: str, *, workdir: Path, kind: str, profile: Path | None) -> Iterator[str]:
     port = free_port()
     log = workdir / f"{kind}-{port}.log"
@@ -217,7 +236,7 @@ class Load:
 
 
 async def submit(
-    client: httpx.AsyncClient,
+    clients: list[httpx.AsyncClient],
     *,
     index: int,
     spec: dict[str, Any],
@@ -237,6 +256,7 @@ async def submit(
         short = attempt == 0 and first_read_timeout_s is not None
         timeout = httpx.Timeout(60.0, read=first_read_timeout_s) if short else httpx.Timeout(60.0)
         sent = time.perf_counter()
+        client = clients[(index + attempt) % len(clients)]  # a balancer's round robin: a retry moves on
         try:
             response = await client.post("/jobs", json=spec, headers=headers, timeout=timeout)
         except httpx.TimeoutException:
@@ -262,7 +282,7 @@ async def submit(
 
 
 async def run_load(
-    url: str,
+    urls: list[str],
     *,
     specs: list[dict[str, Any]],
     repeated: set[int],
@@ -274,10 +294,14 @@ async def run_load(
     load = Load()
     sends = len(specs) + len(repeated)
     limits = httpx.Limits(max_connections=sends, max_keepalive_connections=sends)
-    async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits))
+            for url in urls
+        ]
         tasks = [
             submit(
-                client,
+                clients,
                 index=index,
                 spec=spec,
                 outcome=outcomes[index],
@@ -290,7 +314,7 @@ async def run_load(
         # The deliberate repeats: the same key and body from a second client, at the same time.
         tasks += [
             submit(
-                client,
+                clients[1:] + clients[:1],  # another replica than the first try's, when there are two
                 index=index,
                 spec=specs[index],
                 outcome=outcomes[index],
@@ -415,16 +439,18 @@ def measure(
     repeated: set[int],
     timed_out: set[int],
     args: argparse.Namespace,
+    replicas: int = 1,
 ) -> tuple[float, bool]:
-    """Run the load against one server (`kind`: serve or baseline); print what it saw. (rate, ok)."""
+    """Run the load against `replicas` servers (`kind`: serve or baseline); print what it saw. (rate, ok)."""
     token = api_token(database_url) if kind == "serve" else None
-    with served(database_url, workdir=workdir, kind=kind, profile=args.profile) as url:
+    with served_replicas(database_url, replicas, workdir=workdir, kind=kind, profile=args.profile) as urls:
         # Steady state: a first request builds what each server builds once (routes, validators).
         headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-        assert httpx.post(f"{url}/jobs", json={}, headers=headers, timeout=60).status_code == 422
+        for url in urls:
+            assert httpx.post(f"{url}/jobs", json={}, headers=headers, timeout=60).status_code == 422
         outcomes, load, wall_s = asyncio.run(
             run_load(
-                url,
+                urls,
                 specs=specs,
                 repeated=repeated,
                 timed_out=timed_out,
@@ -466,9 +492,10 @@ def measure(
 
 
 def bench(
-    name: str, urls: tuple[str, str], *, workdir: Path, dataset_uri: str, args: argparse.Namespace
+    name: str, urls: tuple[str, ...], *, workdir: Path, dataset_uri: str, args: argparse.Namespace
 ) -> bool:
-    """The baseline on `urls[0]`, then Apiary on `urls[1]` (two fresh databases of one kind)."""
+    """The baseline on `urls[0]`, then Apiary on `urls[1]` (fresh databases of one kind), then with
+    `--replicas` on `urls[2]` when given."""
     rng = random.Random(1)
     specs = [spec_for(index, dataset_uri) for index in range(args.jobs)]
     chosen = rng.sample(range(args.jobs), args.repeat + args.timeout_retry)
@@ -497,6 +524,23 @@ def bench(
     )
     if floor:
         print(f"  {name}: Apiary / baseline **{rate / floor:.2f}x** ({rate:.0f} / {floor:.0f} submissions/s)")
+    if len(urls) > 2:
+        several, several_ok = measure(
+            f"{name}, Apiary, {args.replicas} replicas",
+            urls[2],
+            kind="serve",
+            workdir=workdir,
+            specs=specs,
+            repeated=repeated,
+            timed_out=timed_out,
+            args=args,
+            replicas=args.replicas,
+        )
+        print(
+            f"  {name}: {args.replicas} replicas / 1 **{several / rate:.2f}x** ({several:.0f} / {rate:.0f} "
+            "submissions/s)"
+        )
+        ok = ok and several_ok
     return ok and floor_ok
 
 
@@ -545,6 +589,12 @@ def main() -> None:
         help="at most this many submissions in flight (default: all at once); a latency not made of queueing",
     )
     parser.add_argument("--databases", default="sqlite,postgresql")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="PostgreSQL: also measure Apiary with this many replicas on one database (round robin)",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="measure Apiary alone")
     parser.add_argument(
         "--profile",
@@ -563,8 +613,10 @@ def main() -> None:
                 urls = (f"sqlite:///{workdir / 'baseline.db'}", f"sqlite:///{workdir / 'load.db'}")
                 ok &= bench(name, urls, workdir=workdir, dataset_uri=dataset_uri, args=args)
             else:
-                with postgres_database() as floor_url, postgres_database() as url:
-                    ok &= bench(name, (floor_url, url), workdir=workdir, dataset_uri=dataset_uri, args=args)
+                with contextlib.ExitStack() as stack:
+                    databases = 3 if args.replicas > 1 else 2
+                    pg_urls = tuple(stack.enter_context(postgres_database()) for _ in range(databases))
+                    ok &= bench(name, pg_urls, workdir=workdir, dataset_uri=dataset_uri, args=args)
     print(f"- machine: {machine()}, at the end")
     print(f"- command: `{command()}`")
     sys.exit(0 if ok else 1)

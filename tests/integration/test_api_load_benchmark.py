@@ -25,6 +25,8 @@ def test_the_api_load_benchmark_runs_and_finds_every_job_persisted_once() -> Non
             "3",
             "--databases",
             "sqlite,postgresql",
+            "--replicas",
+            "2",
         ],
         capture_output=True,
         text=True,
@@ -33,8 +35,10 @@ def test_the_api_load_benchmark_runs_and_finds_every_job_persisted_once() -> Non
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("every submission persisted exactly once: 30 jobs, 30 keys") == 2, (
+    # SQLite, PostgreSQL, and PostgreSQL with two replicas.
+    assert result.stdout.count("every submission persisted exactly once: 30 jobs, 30 keys") == 3, (
         result.stdout
     )
+    assert result.stdout.count("postgresql: 2 replicas / 1") == 1, result.stdout
     assert result.stdout.count("every submission persisted exactly once: 30 rows, one id each") == 2
     assert result.stdout.count("Apiary / baseline") == 2, result.stdout
