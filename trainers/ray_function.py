@@ -133,7 +133,12 @@ class Reports:
         )
         # Which start of the worker group this is: rank 0's clock, shared by every rank.
         self.telemetry.segment = ray.train.collective.broadcast_from_rank_zero(time.time_ns() // 1_000_000)
-        resumed = ray.train.get_checkpoint()
+        world_size = ray.train.get_context().get_world_size()
+        return self.resume_from(ray.train.get_checkpoint(), world_size=world_size)
+
+    def resume_from(self, resumed: ray.train.Checkpoint | None, *, world_size: int) -> int | None:
+        """`start` once Ray said where the group resumes (no Ray call here): the step it resumes from,
+        and rank 0's event and record of that checkpoint."""
         resumed_from = None
         if resumed is not None:
             self._recorded = resumed.path
@@ -149,7 +154,6 @@ class Reports:
                     )
             self.step = resumed_from
         if self.rank == 0:
-            world_size = ray.train.get_context().get_world_size()
             self.telemetry.event(
                 GROUP_STARTED,
                 step=resumed_from or 0,

@@ -87,26 +87,17 @@ def test_a_report_with_a_checkpoint_goes_to_ray_train_after_its_points_were_deli
 
 
 def test_a_group_that_resumes_records_the_checkpoint_it_resumed_from(
-    tmp_path: Path, telemetry_server: TelemetryServer, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, telemetry_server: TelemetryServer
 ) -> None:
     # The attempt that wrote it may have died before its report left: the control plane would never
-    # know the checkpoint the run goes on from. Ray's calls are stood in for (no cluster here).
-    import ray.train
-    import ray.train.collective
-    import ray.util
-
+    # know the checkpoint the run goes on from.
     spec = make_spec(trainer="tests.support.own_loop:train", name="fn", dataset="file:///unused", config={})
     request = make_request(spec, storage=tmp_path, run_name="run")
     folder = tmp_path / "run" / "checkpoint_00000012"
-    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
-    monkeypatch.setattr(
-        ray, "get_runtime_context", lambda: type("C", (), {"get_node_id": lambda _: "n" * 16})()
-    )
-    monkeypatch.setattr(ray.train.collective, "broadcast_from_rank_zero", lambda value: value)
-    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: Checkpoint(str(folder)))
-    monkeypatch.setattr(ray.train, "get_context", lambda: type("C", (), {"get_world_size": lambda _: 2})())
     telemetry = Telemetry(url=telemetry_server.url, attempt=2, rank=0)
-    assert Reports(request, telemetry=telemetry, rank=0).start() == 12
+    assert (
+        Reports(request, telemetry=telemetry, rank=0).resume_from(Checkpoint(str(folder)), world_size=2) == 12
+    )
     assert telemetry.flush()
     [checkpoint] = [batch["checkpoint"] for batch in telemetry_server.batches if batch["checkpoint"]]
-    assert checkpoint == {"step": 12, "uri": folder.as_uri()}
+    assert (checkpoint["step"], checkpoint["uri"]) == (12, folder.as_uri())
