@@ -322,3 +322,38 @@ def test_streams_resume_with_last_event_id_after_a_dropped_connection(spec: dict
     assert [e.reason for e in events] == ["submitted"]
     paths = [(path, headers.get("Last-Event-ID")) for path, headers in stand_in.requests]
     assert paths[:2] == [("/jobs/1/stream", None), ("/jobs/1/stream", "1.2")]
+
+
+def test_an_https_server_must_show_a_certificate_the_client_trusts(tmp_path: Path) -> None:
+    """A plain-HTTP URL skips loading the CA store; an https one still verifies: a self-signed server is
+    refused before anything is sent."""
+    import ssl
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+        + ["-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    requests: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            requests.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with ApiaryClient(f"https://127.0.0.1:{server.server_address[1]}", retries=0) as client:
+            with pytest.raises(ApiaryConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+                client.get(1)
+    finally:
+        server.shutdown()
+    assert requests == []
