@@ -331,9 +331,20 @@ def test_an_https_server_must_show_a_certificate_the_client_trusts(tmp_path: Pat
     import subprocess
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    command = [
+        "openssl",
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
-        + ["-keyout", str(key), "-out", str(cert)],
+        [*command, "-keyout", str(key), "-out", str(cert)],
         check=True,
         capture_output=True,
     )
@@ -351,9 +362,12 @@ def test_an_https_server_must_show_a_certificate_the_client_trusts(tmp_path: Pat
     server.socket = context.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        with ApiaryClient(f"https://127.0.0.1:{server.server_address[1]}", retries=0) as client:
-            with pytest.raises(ApiaryConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
-                client.get(1)
+        url = f"https://127.0.0.1:{server.server_address[1]}"
+        with (
+            ApiaryClient(url, retries=0) as client,
+            pytest.raises(ApiaryConnectionError, match="CERTIFICATE_VERIFY_FAILED"),
+        ):
+            client.get(1)
     finally:
         server.shutdown()
     assert requests == []
