@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.5  # how often a job's feed looks for new rows
 EVENTS_PER_POLL = 500
 METRICS_PER_POLL = 5_000
+HAND_SLICE = 64  # watchers handed a batch between two looks of the event loop at other sockets
 QUEUE_BATCHES = 16  # a watcher this many batches behind is dropped from the feed (it catches up alone)
 AUTH_RECHECK_S = 5.0  # at most this long between a credential's revocation and its streams' end
 
@@ -209,8 +210,12 @@ class JobFeed:
             moved = (event_id, batch.metric_id) != (self.cursor.event_id, self.cursor.metric_id)
             news = moved or batch.job != self.job or batch.terminal
             self.cursor, self.job = JobCursor(event_id, batch.metric_id), batch.job
-            for watcher in list(self.watchers) if news else ():  # an empty poll wakes nobody
+            # The cursor and state above are the feed's before its watchers have the batch: one that
+            # joins meanwhile is behind it and catches up alone (JobFeeds.watch).
+            for index, watcher in enumerate(list(self.watchers) if news else ()):  # empty: wakes nobody
                 watcher.hand(batch)
+                if index % HAND_SLICE == HAND_SLICE - 1:
+                    await asyncio.sleep(0)  # let other requests in between (a thousand watchers wake)
             if batch.terminal and not batch.more:
                 self.stop()  # each watcher ends on this batch
                 return

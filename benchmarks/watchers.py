@@ -46,12 +46,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# `serve` runs the tree it is told to (APIARY_BENCH_TREE: an older checkout), the rest this one.
+# `serve` runs the tree it is told to (APIARY_BENCH_TREE: an older checkout), the rest this one. (Only
+# lazily: auth_flood puts this tree first on sys.path when it is imported.)
 sys.path.insert(0, os.environ.get("APIARY_BENCH_TREE", str(ROOT)))
 
 import httpx  # noqa: E402
 from _common import command, machine, postgres_database  # noqa: E402
-from auth_flood import percentile, probe, split_cpus  # noqa: E402
 from sqlalchemy import create_engine, text  # noqa: E402
 
 from service.cluster import free_port  # noqa: E402
@@ -276,6 +276,8 @@ class Driver(threading.Thread):
 
 
 def measure(label: str, tree: Path, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    from auth_flood import probe, split_cpus
+
     service_cpus, client_cpus = split_cpus() if args.pin else (None, None)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -389,6 +391,8 @@ def measure(label: str, tree: Path, args: argparse.Namespace, workdir: Path) -> 
 
 
 def report(label: str, result: dict[str, Any], args: argparse.Namespace) -> None:
+    from auth_flood import percentile
+
     alone, watched = result["alone"], result["watched"]
     p99_alone, p99_watched = percentile(alone, 99), percentile(watched, 99)
     print(f"{label}:")
@@ -439,6 +443,8 @@ def main() -> None:
             return
         before = measure("before", args.before.resolve(), args, workdir)
         report(f"before ({args.before})", before, args)
+    from auth_flood import percentile
+
     print(f"# {machine()}")
     ratio = percentile(before["watched"], 99) / percentile(now["watched"], 99)
     print(f"p99 with the watchers, before / now: {ratio:.1f}x")
