@@ -285,8 +285,17 @@ def measure(label: str, tree: Path, args: argparse.Namespace, workdir: Path) -> 
     from api_load import spec_for
 
     with postgres_database() as database_url:
-        tokens = make_tokens(database_url, args.users)
         env = {**os.environ, "APIARY_BENCH_TREE": str(tree), "PYTHONPATH": str(tree)}
+        # Migrated by the tree that serves it: an older service refuses a newer schema.
+        made = subprocess.run(
+            [sys.executable, __file__, "tokens", database_url, str(args.users)],
+            env=env,
+            cwd=tree,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        tokens = json.loads(made.stdout.strip().splitlines()[-1])
         with (workdir / f"serve-{label}.log").open("w") as log:
             server = subprocess.Popen(
                 [sys.executable, __file__, "serve", str(port), database_url, str(data_dir)],
@@ -455,6 +464,8 @@ def main() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["serve"]:
         serve(port=int(sys.argv[2]), database_url=sys.argv[3], data_dir=Path(sys.argv[4]))
+    elif sys.argv[1:2] == ["tokens"]:
+        print(json.dumps(make_tokens(sys.argv[2], int(sys.argv[3]))))
     elif sys.argv[1:2] == ["clients"]:
         url, path, job_clients, queue_clients = sys.argv[2:6]
         tokens = json.loads(sys.stdin.readline())
