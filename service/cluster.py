@@ -483,6 +483,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: each stays bound until all are chosen (`free_port` twice in a row
+    may name the same port, and Ray refuses to start when two of its components share one)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+
+
 @dataclass(frozen=True, kw_only=True)
 class LocalRay:
     """A local Ray head started by the service; `state_file` lets a restarted service find it."""
@@ -526,7 +536,7 @@ class LocalRay:
         ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
         if ray_bin is None:
             raise ClusterUnavailable("the `ray` command is not installed in Apiary's environment")
-        ports = {flag: free_port() for flag in _PORT_FLAGS}
+        ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
         temp_dir = local_ray_temp_dir(data_dir)
         log_path = data_dir / "ray.log"
         data_dir.mkdir(parents=True, exist_ok=True)

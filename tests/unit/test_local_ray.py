@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.cluster import LOCAL_RAY_ENV, local_ray_env, local_ray_temp_dir
+from service.cluster import _PORT_FLAGS, LOCAL_RAY_ENV, free_ports, local_ray_env, local_ray_temp_dir
 
 
 def test_ray_temp_dir_stays_short_enough_for_unix_sockets(tmp_path: Path) -> None:
@@ -46,3 +46,11 @@ def test_the_serve_command_gives_ray_its_token_auth_before_ray_is_first_imported
     for command in ("def serve(", "def demo("):
         body = source[source.index(command) :]
         assert body.index("ray_client_env(settings)") < body.index("route_ray_logs("), command
+
+
+def test_the_local_rays_ports_are_distinct() -> None:
+    # Chosen one at a time, two of them once named the same port and Ray refused to start ("port
+    # number 59891 that is used by other components"): the service could not come up.
+    for _ in range(50):
+        ports = free_ports(len(_PORT_FLAGS))
+        assert len(set(ports)) == len(_PORT_FLAGS)
