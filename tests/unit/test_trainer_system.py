@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import types
 
 import pytest
 
@@ -55,6 +56,39 @@ def test_a_sample_measures_this_processs_cpu_memory_and_data_over_the_interval()
     torch = sys.modules.get("torch")
     assert torch is None or not torch.cuda.is_initialized()
     del held
+
+
+class FakeCuda:
+    """torch.cuda as a rank on a GPU sees it (no GPU here): device 1 in use, NVML answering or not."""
+
+    def __init__(self, *, nvml: bool) -> None:
+        self.nvml = nvml
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def memory_reserved(self, index: int) -> int:
+        return {1: 3 * 1024**3}[index]
+
+    def utilization(self, index: int) -> int:
+        if not self.nvml:
+            raise ModuleNotFoundError("pynvml")
+        return {1: 87}[index]
+
+
+@pytest.mark.parametrize("nvml", [True, False])
+def test_a_rank_on_a_gpu_samples_its_devices_utilization_and_memory(
+    monkeypatch: pytest.MonkeyPatch, nvml: bool
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=FakeCuda(nvml=nvml)))
+    sampler = SystemSampler()
+    sampler.cuda_device = 1  # the rank's device, as the training context sets it
+    stats = sampler.sample()
+    assert stats.gpu_memory_bytes == 3 * 1024**3
+    assert stats.gpu_utilization_percent == (87.0 if nvml else None)  # without NVML: memory only
+    values = stats.point_values()
+    assert values[f"{SYSTEM_PREFIX}gpu_memory_bytes"] == 3 * 1024**3
+    assert (f"{SYSTEM_PREFIX}gpu_utilization_percent" in values) is nvml
 
 
 def test_a_second_sample_within_the_interval_is_the_same_one(monkeypatch: pytest.MonkeyPatch) -> None:
