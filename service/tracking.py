@@ -31,6 +31,7 @@ that could not be exported for `EXPORT_GIVE_UP_S` are dropped, counted in
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import struct
@@ -129,6 +130,14 @@ def tfrecord(data: bytes) -> bytes:
     return header + struct.pack("<I", _masked_crc(header)) + data + struct.pack("<I", _masked_crc(data))
 
 
+@functools.lru_cache(maxsize=4096)
+def _tensorboard_tag(metric: str) -> str:
+    """`tag(metric)` as TensorBoard takes it (tensorboardX's own cleaning), worked out once per name."""
+    from tensorboardX.summary import scalar
+
+    return str(scalar(tag(metric), 0.0).value[0].tag)
+
+
 class TensorBoardSink:
     name = "tensorboard"
 
@@ -154,7 +163,8 @@ class TensorBoardSink:
 
     def export(self, batch: Batch) -> None:
         from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.summary import hparams, scalar
+        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.summary import hparams
 
         path, filesystem = self._folder(batch.job.id)
         filesystem.create_dir(path, recursive=True)
@@ -164,9 +174,15 @@ class TensorBoardSink:
             for summary in hparams(hyperparameters(batch.job.spec), {name: 0.0 for name in metrics}):
                 records.append(Event(wall_time=time.time(), summary=summary).SerializeToString())
         for point in batch.points:
-            for name, value in point.values.items():
-                event = Event(wall_time=point.time, step=point.step, summary=scalar(tag(name), value))
-                records.append(event.SerializeToString())
+            if not point.values:
+                continue
+            # One event per point with all of its values (what tf.summary writes for one step): an
+            # eighth of the records, checksums and protobufs of one event per value.
+            values = [
+                Summary.Value(tag=_tensorboard_tag(name), simple_value=v) for name, v in point.values.items()
+            ]
+            event = Event(wall_time=point.time, step=point.step, summary=Summary(value=values))
+            records.append(event.SerializeToString())
         if batch.points or batch.first:
             # Named so that TensorBoard, which reads a folder's event files in name order, reads them
             # in the order they were written.
@@ -185,9 +201,10 @@ _MLFLOW_STATUS = {
     JobState.FAILED: "FAILED",
     JobState.CANCELLED: "KILLED",
 }
-# MLflow's bounds: a param value's length, metrics per log_batch call.
+# MLflow's bounds: a param value's length; metrics per log_batch call (it takes 1000 entities in all:
+# the last call of a pass carries its few tags too).
 _MLFLOW_PARAM_CHARS = 6000
-_MLFLOW_BATCH = 1000
+_MLFLOW_BATCH = 990
 
 
 class MlflowSink:
@@ -252,15 +269,17 @@ class MlflowSink:
         from mlflow.entities import Metric, RunTag
 
         job = batch.job
-        run = self._find_run(job)
-        run_id = str(run.info.run_id) if run is not None else self._start(job)
+        # The run id once known (no request per pass); else the run, found again or started.
+        run_id = self._runs.get(job.id)
+        if run_id is None:
+            run = self._find_run(job)
+            run_id = str(run.info.run_id) if run is not None else self._start(job)
         metrics = [
             Metric(tag(name), value, int(point.time * 1000), point.step)
             for point in batch.points
             for name, value in point.values.items()
         ]
-        for start in range(0, len(metrics), _MLFLOW_BATCH):
-            self.client.log_batch(run_id, metrics=metrics[start : start + _MLFLOW_BATCH])
+        chunks = [metrics[start : start + _MLFLOW_BATCH] for start in range(0, len(metrics), _MLFLOW_BATCH)]
         tags = [
             RunTag("apiary.metric_cursor", str(batch.cursor)),
             RunTag("apiary.state", job.state.value),
@@ -271,7 +290,11 @@ class MlflowSink:
             tags.append(RunTag("apiary.finished", "true"))
             if job.message:
                 tags.append(RunTag("apiary.message", job.message[:5000]))
-        self.client.log_batch(run_id, tags=tags)
+        for chunk in chunks[:-1]:
+            self.client.log_batch(run_id, metrics=chunk)
+        # The cursor goes with the pass's last metrics, in one request: the server stores a batch's metrics
+        # before its tags, and no tag when they fail, so the cursor never runs ahead of them.
+        self.client.log_batch(run_id, metrics=chunks[-1] if chunks else [], tags=tags)
         if batch.finished:
             self.client.set_terminated(run_id, status=_MLFLOW_STATUS.get(job.state, "FINISHED"))
 
