@@ -70,9 +70,10 @@ def test_the_ratio_is_of_the_medians_each_round_pairs_its_two_jobs_and_the_verdi
     summary = summarize(jobs)
     assert summary["step_ratio"] == pytest.approx(0.102 / 0.102)  # medians: off 0.102, on 0.102
     assert summary["round_ratios"] == pytest.approx([0.101 / 0.100, 0.103 / 0.104])
+    assert summary["paired_ratio"] == pytest.approx((0.101 / 0.100 + 0.103 / 0.104) / 2)
     assert summary["spread"]["off"] == pytest.approx(1.04)
     assert summary["medians"]["on"]["serve_cpu_percent"] == 15.0
-    assert "within the noise" in verdict(summary) and verdict(summary).endswith("met")
+    assert "within the noise" in verdict(summary) and verdict(summary).endswith(": met")
 
     slower = summarize([job("off", 0.100), job("on", 0.110), job("off", 0.101), job("on", 0.111)])
     assert slower["step_ratio"] == pytest.approx(0.1105 / 0.1005)
