@@ -216,6 +216,9 @@ class MlflowSink:
         # One try per call: the exporter retries on its next pass, never inside a pass.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(timeout_s)))
+        # MLflow 3's client reports its own usage to MLflow's servers unless told not to: a control
+        # plane talks to the tracker it was given and nothing else (an operator may set it to false).
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=tracking_uri)
