@@ -11,10 +11,13 @@ expiry, renewed every tick; another replica takes over once it expires):
    `preempt_grace_s` ago that has not stopped is stopped (its event says how much work that lost);
 3. schedule: read every unfinished job in one query and the cluster (its alive nodes, and what Ray
    reports in use on them: other Ray users' use is not Apiary's to admit, service.scheduling.policy);
-   requeue a started job whose gang no longer fits them (a node left: `requeue_unplaceable`); hold
-   every queued job while checkpoint storage is a local path on more than one node; call the pure
-   `policy.decide` (each queued job with history's estimate of its duration, each active job with its
-   expected end: its measured pace, or history early on, never beyond its max_runtime_s;
+   requeue a started job whose gang no longer fits them (a node left: `requeue_unplaceable`); honor
+   node drains (service.drains: Ray's and those told to Apiary; a job with a rank on a draining node
+   checkpoints at its next step boundary and is requeued, or is stopped when it cannot before the
+   deadline: `honor_drains`); hold every queued job while checkpoint storage is a local path on more
+   than one node; call the pure `policy.decide` on the nodes that do not drain (each queued job with
+   history's estimate of its duration, each active job with its expected end: its measured pace, or
+   history early on, never beyond its max_runtime_s;
    service.scheduling.estimates and service.scheduling.history; and the price signal, for which
    deferrable jobs wait: service.scheduling.deferral), then preempt (running -> preempting:
    the trainers hear it in the reply to their next telemetry post, checkpoint at the next step
@@ -166,6 +169,7 @@ class Scheduler:
         # and the attempts stopped before a drain's deadline (stopped once).
         self.drains: dict[str, Drain] = {}
         self._drains_problem: str | None = None
+        self._ray_drained: set[str] = set()
         self._drain_stopped: set[str] = set()
         # The price signal (deferral, and the cost ledger), and the jobs whose ledger runs: active at the
         # last tick (service.costs).
@@ -885,6 +889,15 @@ class Scheduler:
             from_ray = {node: at for node, at in self.backend.draining_nodes().items() if node in alive}
         except ClusterUnavailable as err:
             problem, from_ray = str(err), {}
+        if from_ray.keys() != self._ray_drained:
+            logger.info(
+                "Ray drains %d node(s): %s",
+                len(from_ray),
+                ", ".join(f"{node} (deadline {clock(at)})" for node, at in sorted(from_ray.items()))
+                or "none",
+                extra={"action": "ray_drains", "nodes": sorted(from_ray)},
+            )
+            self._ray_drained = set(from_ray)
         if problem != self._drains_problem:
             if problem is not None:
                 logger.warning(

@@ -6,12 +6,18 @@ APIARY_DATABASE_URL).
 One job of two workers placed `strict_spread` (Ray Train's placement group strategy, which the
 scheduler's admission follows), so its gang spans both nodes. It reads its shards from S3 and
 checkpoints to S3. The nodes run Ray with an interpreter that has no Apiary (the job's driver too,
-APIARY_JOB_PYTHON): its code reaches them only through its runtime_env. The second node is killed (its
-raylet, agents and workers at once) while the job runs: the gang no longer fits the head alone, so
-the job is stopped and requeued ("capacity lost"), waits while capacity says it cannot fit, and
-resumes from its S3 checkpoint when a new node joins. Its final parameters equal an undisturbed run
-of the same spec on the same cluster. A missing S3 dataset is refused at submission, and the S3
-secret appears in no log line of the service. Prints the recovery figures for benchmarks/RESULTS.md.
+APIARY_JOB_PYTHON): its code reaches them only through its runtime_env. It is interrupted twice:
+- without notice: the second node is killed (its raylet, agents and workers at once) while the job
+  runs: the gang no longer fits the head alone, so the job is stopped and requeued ("capacity lost"),
+  waits while capacity says it cannot fit, and resumes from its S3 checkpoint when a new node joins;
+- with notice (a spot node's, service.drains): a termination handler tells Apiary that the new node
+  goes in 60 s (`POST /admin/nodes/{id}/drain`; Apiary asks Ray to drain it too), and it is killed at
+  the deadline.
+  The job checkpoints at its next step boundary, is requeued, and resumes on a fourth node without
+  losing a step; no gang is placed on the draining node.
+Its final parameters and its loss at every step equal an undisturbed run of the same spec on the same
+cluster. A missing S3 dataset is refused at submission, and the S3 secret appears in no log line of
+the service. Prints the recovery figures for benchmarks/RESULTS.md (steps lost with notice and without).
 
 A job that brings its own code (`submit(spec, code=DIR)`): its trainer is a module of that folder,
 which neither the service's environment nor the nodes have; both ranks, one on each node, import it
@@ -21,6 +27,7 @@ from the job's working_dir and read a file shipped beside it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -44,9 +51,13 @@ from trainers.checkpoint import build_model_from_checkpoint
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.ray]
 
-STEPS = 400
+STEPS = 800
 EVERY = 100
 KILL_AFTER = 150  # past the first checkpoint, well before the end
+# After the resume from step 100, between two checkpoints, and long before the end (this job takes
+# 20-25 steps/s here).
+DRAIN_AFTER = 130
+DRAIN_DEADLINE_S = 60
 
 
 @pytest.fixture
@@ -68,6 +79,8 @@ def served(cluster: RayCluster, s3: S3, postgres_url: str, tmp_path: Path) -> It
             "APIARY_RAY_AUTH_TOKEN": cluster.token,
             "APIARY_STORAGE_URI": f"{s3.checkpoints_uri}/multinode",
             "APIARY_CAPACITY_LOSS_GRACE_S": "3",
+            # Where the service reads Ray's node drains and asks for them (service.ray_drains).
+            "APIARY_RAY_GCS_ADDRESS": cluster.gcs_address,
             # The driver runs on the head with the nodes' own interpreter, which has no Apiary.
             "APIARY_JOB_PYTHON": str(cluster.python),
         },
@@ -94,7 +107,7 @@ def spec(dataset: str, name: str) -> dict[str, Any]:
     }
 
 
-def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undisturbed_run(
+def test_a_gang_across_two_nodes_survives_a_node_death_and_a_drain_and_ends_as_the_undisturbed_run(
     cluster: RayCluster, served: Served, s3: S3, tmp_path: Path
 ) -> None:
     dataset = f"{s3.datasets_uri}/multinode-clf"
@@ -121,8 +134,13 @@ def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undis
         ).json()
         assert len(ray_job["runtime_env"]["py_modules"]) == len(code_modules()), ray_job["runtime_env"]
         assert ray_job["entrypoint"].startswith(str(cluster.python)), ray_job["entrypoint"]
+        # As the nodes run it: without PYTHONPATH (a checkout's tests may set it to the checkout).
         no_apiary = subprocess.run(
-            [str(cluster.python), "-c", "import trainers"], cwd=tmp_path, capture_output=True, check=False
+            [str(cluster.python), "-c", "import trainers"],
+            cwd=tmp_path,
+            capture_output=True,
+            check=False,
+            env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
         )
         assert no_apiary.returncode != 0, "the nodes' interpreter must not have Apiary installed"
 
@@ -149,25 +167,95 @@ def test_a_gang_across_two_nodes_survives_the_death_of_one_and_ends_as_the_undis
 
         cluster.add_node("node3", num_cpus=2)  # a node joins: the job resumes
         joined_at = time.time()
-        job = client.wait(job.id, timeout_s=400)
+        third = cluster.alive_nodes()["node3"]
+
+        # With notice: node3 drains with a 60 s deadline while the job runs there.
+        def at_drain_step() -> Any:
+            current = client.get(job.id)
+            assert current.state in ("queued", "admitted", "running"), current
+            # The resumed attempt's ranks (the job's latest_step is the old attempt's until they report).
+            steps = [rank["step"] for rank in (current.ranks or {}).values()]
+            past = current.attempt > running.attempt and steps and min(steps) >= DRAIN_AFTER
+            return current if past else None
+
+        before_drain = wait_until(at_drain_step, timeout_s=400, interval_s=0.2, what="the drain step")
+        placed = {rank["node"].split("(")[1].rstrip(")") for rank in (before_drain.ranks or {}).values()}
+        assert third[:8] in placed, before_drain.ranks
+        step_at_drain = max(rank["step"] for rank in (before_drain.ranks or {}).values())
+        drained_at = time.time()
+        # A termination handler tells Apiary, which records the drain and asks Ray to drain the node.
+        answer = httpx.post(
+            f"{served.url}/admin/nodes/{third}/drain", json={"deadline_s": DRAIN_DEADLINE_S}, timeout=30
+        )
+        assert answer.status_code == 202 and answer.json()["ray_drain"] == "accepted", answer.text
+        cluster.add_node("node4", num_cpus=2)  # its replacement joins while it drains
+
+        def told() -> Any:
+            # The drain's event (the job may be running again already, on node4, by the time node4 is up).
+            events = client.events(job.id)
+            return next((e for e in events if e.reason.startswith(f"node {third[:8]} drains")), None)
+
+        noticed_s = (
+            wait_until(told, timeout_s=30, interval_s=0.2, what="the job told").at.timestamp() - drained_at
+        )
+        killed_drained = False
+
+        def done() -> Any:
+            nonlocal killed_drained
+            if not killed_drained and time.time() >= drained_at + DRAIN_DEADLINE_S:
+                cluster.nodes[2].kill()  # the deadline: the cloud takes the node (Ray may have let it go)
+                killed_drained = True
+            current = client.get(job.id)
+            return current if current.state in ("succeeded", "failed", "cancelled") else None
+
+        job = wait_until(done, timeout_s=400, interval_s=0.5, what="the job's end")
         assert job.state == "succeeded", job
         assert job.latest_checkpoint_step == STEPS
         assert job.latest_checkpoint is not None and job.latest_checkpoint.startswith(s3.checkpoints_uri)
+        if not killed_drained:
+            time.sleep(max(0.0, drained_at + DRAIN_DEADLINE_S - time.time()))
+            cluster.nodes[2].kill()
+
+        said = [event.reason for event in client.events(job.id)]
+        drain_told = next(r for r in said if r.startswith(f"node {third[:8]} drains (deadline "))
+        assert "checkpoint at the next step boundary" in drain_told, said
+        requeued_after_drain = next(r for r in said if r.startswith("its node drains; requeued in its place"))
+        assert requeued_after_drain.endswith("checkpointed and stopped, 0 step(s) lost"), said
 
         points = client.metrics(job.id, rank=0, segments="all")
         before = [p.step for p in points if p.time < killed_at]
         broken = (running.attempt, max(p.segment for p in points if p.time < killed_at))
         after = sorted((p for p in points if (p.attempt, p.segment) > broken), key=lambda p: p.time)
         resumed_at, first_step = after[0].time, after[0].step
+        lost_without_notice = max(before) - (first_step - 1)
+        # With notice: the drained attempt's last step is where the next one resumes.
+        drained_attempt = max(p.attempt for p in points if p.time < drained_at)
+        last_drained = max(p.step for p in points if p.attempt == drained_attempt)
+        later = sorted((p for p in points if p.attempt > drained_attempt), key=lambda p: p.time)
+        lost_with_notice = last_drained - (later[0].step - 1)
+        # Not a step lost: it checkpointed at a step boundary after the drain, not at its periodic 100.
+        resumed_from = later[0].step - 1
+        assert lost_with_notice == 0 and resumed_from >= step_at_drain, later[0]
+        final = client.get(job.id)
+        nodes_then = {rank["node"].split("(")[1].rstrip(")") for rank in (final.ranks or {}).values()}
+        assert third[:8] not in nodes_then, final.ranks  # no gang was placed on the draining node
         print(
             f"\nmultinode recovery: node death to first step after resume {resumed_at - killed_at:.1f} s "
             f"(requeued {requeued_s:.1f} s after the death; first step {resumed_at - joined_at:.1f} s after "
-            f"a new node joined), steps lost {max(before) - (first_step - 1)} (last step before the kill "
+            f"a new node joined), steps lost {lost_without_notice} (last step before the kill "
             f"{max(before)}, resumed at step {first_step})"
+            f"\nmultinode drain: told to checkpoint {noticed_s:.1f} s after the drain, first step after the "
+            f"resume {later[0].time - drained_at:.1f} s after it; steps lost with a {DRAIN_DEADLINE_S} s "
+            f"notice {lost_with_notice} (step {step_at_drain} when drained, checkpointed at "
+            f"{resumed_from}), without notice {lost_without_notice}"
         )
 
         reference = client.wait(client.submit(spec(dataset, "undisturbed")).id, timeout_s=400)
         assert reference.state == "succeeded", reference
+        # The loss at every step, as the run that counted took it, is the undisturbed run's.
+        losses = [p.values["loss"] for p in client.metrics(job.id, rank=0, limit=STEPS)]
+        assert losses == [p.values["loss"] for p in client.metrics(reference.id, rank=0, limit=STEPS)]
+        assert len(losses) == STEPS
 
         # A missing S3 dataset is refused at submission (listed by the service), like a local one.
         with pytest.raises(ApiaryClientError) as refused:
