@@ -53,12 +53,19 @@ def configure_logging(log_format: str, *, level: int = logging.INFO) -> None:
 def route_ray_logs(*, verbose: bool) -> None:
     """Send Ray's loggers through Apiary's handler, at INFO when `verbose`, else at WARNING and above.
 
-    Importing Ray gives its `ray` logger a handler of its own, level INFO, and no propagation; so Ray
-    is imported here first (the commands that call this talk to Ray anyway), then that is undone."""
-    import ray  # noqa: F401
+    Importing Ray gives its `ray` logger a handler of its own, level INFO, and no propagation, and
+    importing its job client (`ray.job_submission`) sets its SDK's logger to INFO, whatever `ray`'s
+    level; so both are imported here first (the commands that call this talk to Ray anyway), then that
+    is undone: every `ray.*` logger that set a level of its own below WARNING takes `ray`'s."""
+    import ray
+    import ray.job_submission  # noqa: F401
 
     ray_logger = logging.getLogger("ray")
     for handler in list(ray_logger.handlers):
         ray_logger.removeHandler(handler)
     ray_logger.propagate = True
     ray_logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    for name, child in list(logging.root.manager.loggerDict.items()):
+        own_level = child.level if isinstance(child, logging.Logger) else logging.NOTSET
+        if name.startswith("ray.") and logging.NOTSET < own_level < logging.WARNING:
+            child.setLevel(logging.NOTSET)

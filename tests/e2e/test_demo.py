@@ -22,6 +22,8 @@ def test_demo_trains_a_gpt_on_two_workers_and_stops_cleanly(tmp_path: Path) -> N
     assert result.returncode == 0, output[-4000:]
     assert "succeeded" in output
     assert "checkpoint: file://" in output
+    # Apiary's own lines: Ray's INFO chatter ("Uploading package gcs://...") only with -v.
+    assert "Uploading package" not in output and "INFO" not in output, output[-4000:]
     losses = [float(line.split("loss")[1].split()[0]) for line in output.splitlines() if " loss " in line]
     assert len(losses) >= 2 and losses[-1] < losses[0], output[-4000:]
     assert (tmp_path / ".apiary" / "apiary.db").exists()  # the embedded default database

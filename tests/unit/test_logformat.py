@@ -56,6 +56,7 @@ import logging, sys
 from api.logformat import configure_logging, route_ray_logs
 configure_logging("json")
 route_ray_logs(verbose=sys.argv[1] == "1")
+import ray.job_submission  # as the scheduler's first submission does: its SDK's logger sets INFO
 sdk = logging.getLogger("ray.dashboard.modules.dashboard_sdk")
 sdk.info("Uploading package gcs://x.zip.")
 sdk.warning("a warning")
