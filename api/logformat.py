@@ -66,6 +66,7 @@ def route_ray_logs(*, verbose: bool) -> None:
     ray_logger.propagate = True
     ray_logger.setLevel(logging.INFO if verbose else logging.WARNING)
     for name, child in list(logging.root.manager.loggerDict.items()):
-        own_level = child.level if isinstance(child, logging.Logger) else logging.NOTSET
-        if name.startswith("ray.") and logging.NOTSET < own_level < logging.WARNING:
+        if not (name.startswith("ray.") and isinstance(child, logging.Logger)):
+            continue  # a placeholder (a name only its children have) has no level
+        if logging.NOTSET < child.level < logging.WARNING:
             child.setLevel(logging.NOTSET)
