@@ -242,6 +242,9 @@ class Serve:
             "APIARY_TRAINER_MODULES": "benchmarks,examples",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             "RAY_USAGE_STATS_ENABLED": "0",
+            # Ray folds log lines that look alike across a job's processes (numbers masked) into one:
+            # rank 0's step-1 start-up mark, next to rank 1's, never reached the driver's log.
+            "RAY_DEDUP_LOGS": "0",
         }
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
