@@ -91,7 +91,7 @@ def test_every_route_but_monitoring_and_telemetry_needs_a_valid_token(
     assert ("POST", "/jobs/{job_id}/cancel") in routes and ("PATCH", "/jobs/{job_id}") in routes
     assert len(routes) >= 18
     for method, path in routes:
-        url = path.format(job_id=job["id"], token_id=1, sha256="0" * 64, sweep_id=1)
+        url = path.format(job_id=job["id"], token_id=1, sha256="0" * 64, sweep_id=1, node_id="0" * 56)
         for client in (people.nobody, people.stranger):
             response = client.request(method, url)
             assert response.status_code == 401, (method, path, response.text)
