@@ -26,7 +26,7 @@ async def get_drains(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Drain
     "/admin/nodes/{node_id}/drain",
     status_code=status.HTTP_202_ACCEPTED,
     response_model=NodeDrainPublic,
-    responses={**ADMIN_RESPONSES, **error_responses(404, 422)},
+    responses={**ADMIN_RESPONSES, **error_responses(400, 404, 422)},
 )
 def drain_node(
     node_id: NodeId,
