@@ -20,6 +20,7 @@ import pytest
 from service.capacity import ClusterSnapshot
 from service.cluster import RayBackend, auth_env
 from tests.integration.conftest import Service
+from tests.support.processes import run_test_in_own_process
 from tests.support.ray_cluster import RayCluster, ray_cluster
 from tests.support.wait import wait_until
 
@@ -88,18 +89,12 @@ IN_OWN_PROCESS = os.environ.get(OWN_PROCESS_VAR) == "1"
 
 @pytest.mark.skipif(IN_OWN_PROCESS, reason="this is the process the test runs in")
 def test_in_a_process_of_its_own() -> None:
-    name = "test_a_gang_waits_while_another_ray_user_holds_the_cpus_and_starts_once_they_are_freed"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{name}"],
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, OWN_PROCESS_VAR: "1"},
-        capture_output=True,
-        text=True,
-        timeout=580,
-        check=False,
+    run_test_in_own_process(
+        __file__,
+        "test_a_gang_waits_while_another_ray_user_holds_the_cpus_and_starts_once_they_are_freed",
+        flag=OWN_PROCESS_VAR,
+        timeout_s=580,
     )
-    output = result.stdout[-5000:] + result.stderr[-2000:]
-    assert result.returncode == 0 and " passed" in result.stdout, output
 
 
 @pytest.mark.skipif(not IN_OWN_PROCESS, reason="run by test_in_a_process_of_its_own, in its own process")

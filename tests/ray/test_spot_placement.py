@@ -5,10 +5,7 @@ goes only to a node without a spot label. No job runs: a placement group shows w
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import ray
@@ -17,6 +14,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 
 from service.cluster import RayBackend, free_port
 from service.contract.spec import MARKET_TYPE_LABEL, ON_DEMAND_SELECTOR
+from tests.support.processes import run_test_in_own_process
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -28,18 +26,12 @@ IN_OWN_PROCESS = os.environ.get(OWN_PROCESS_VAR) == "1"
 
 @pytest.mark.skipif(IN_OWN_PROCESS, reason="this is the process the test runs in")
 def test_in_a_process_of_its_own() -> None:
-    name = "test_spot_nodes_are_read_and_a_never_placement_group_avoids_them"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{name}"],
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, OWN_PROCESS_VAR: "1"},
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
+    run_test_in_own_process(
+        __file__,
+        "test_spot_nodes_are_read_and_a_never_placement_group_avoids_them",
+        flag=OWN_PROCESS_VAR,
+        timeout_s=280,
     )
-    output = result.stdout[-5000:] + result.stderr[-2000:]
-    assert result.returncode == 0 and " passed" in result.stdout, output
 
 
 @pytest.fixture

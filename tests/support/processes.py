@@ -4,6 +4,8 @@ the processes that hold a secret in their command line or environment."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -86,3 +88,20 @@ def processes_holding(secret: str, *, besides: set[int]) -> list[str]:
         for part, text in (("cmdline", cmdline(pid)), ("environ", environ(pid)))
         if secret in text
     ]
+
+
+def run_test_in_own_process(test_file: str, name: str, *, flag: str, timeout_s: float) -> None:
+    """Run test `name` of `test_file` in a pytest process of its own, with `flag`=1 in its environment
+    (the test skips itself without it); assert that it passed. For a test whose driver joins a Ray
+    cluster of its own while this process stays connected to another one."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{test_file}::{name}"],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, flag: "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    output = result.stdout[-5000:] + result.stderr[-2000:]
+    assert result.returncode == 0 and " passed" in result.stdout, output
